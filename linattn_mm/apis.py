@@ -1,0 +1,113 @@
+"""Python API in the style of ``timm.create_model`` / ``mmpretrain.get_model``.
+
+Every config file in the model zoo (``configs/**.py``, shipped as ``linattn_mm/.mim/configs`` in a
+wheel) is a model name: its file stem, e.g. ``swin-t_in1k`` or ``mask-rcnn_swin-t_fpn_1x_coco``.
+"""
+import copy
+import fnmatch
+import os
+import os.path as osp
+
+SCOPE_REGISTRIES = {
+    'mmpretrain': 'mmpretrain.registry',
+    'mmdet': 'mmdet.registry',
+    'mmseg': 'mmseg.registry',
+}
+
+
+def config_root():
+    """The folder holding the model-zoo configs (source checkout or installed package)."""
+    here = osp.dirname(osp.abspath(__file__))
+    for cand in (osp.join(here, '.mim', 'configs'), osp.join(osp.dirname(here), 'configs')):
+        if osp.isdir(cand):
+            return cand
+    raise FileNotFoundError('linattn_mm configs not found: expected linattn_mm/.mim/configs '
+                            '(installed package) or configs/ next to the package (source checkout)')
+
+
+def _zoo():
+    root = config_root()
+    zoo = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith('_'))
+        for f in sorted(filenames):
+            if f.endswith('.py') and not f.startswith('_'):
+                zoo[f[:-3]] = osp.join(dirpath, f)
+    return zoo
+
+
+def list_models(pattern=None):
+    """Sorted model names (config stems), optionally filtered by a shell-style ``pattern``."""
+    names = sorted(_zoo())
+    if pattern:
+        names = [n for n in names if fnmatch.fnmatch(n, pattern)]
+    return names
+
+
+def get_config(name):
+    """The :class:`mmengine.Config` of a zoo model (or of a config file path)."""
+    from mmengine.config import Config
+    if osp.isfile(name):
+        return Config.fromfile(name)
+    zoo = _zoo()
+    if name not in zoo:
+        close = [n for n in zoo if name.split('_')[0] in n][:10]
+        raise KeyError(f'unknown model {name!r}; {len(zoo)} models are available, see '
+                       f'linattn_mm.list_models()' + (f'; similar: {close}' if close else ''))
+    return Config.fromfile(zoo[name])
+
+
+def _merge(dst, src):
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _merge(dst[k], v)
+        else:
+            dst[k] = v
+    return dst
+
+
+def get_model(name, pretrained=None, device=None, allow_unsafe_pickle=None, **kwargs):
+    """Build the model of a zoo config (or config file).
+
+    Args:
+        name (str): model name from :func:`list_models`, or a path to a config file.
+        pretrained (str, optional): checkpoint to load. A file with ``backbone.*`` keys (an
+            mmpretrain/mmdet/mmseg checkpoint) is loaded into the whole model; any other file
+            (an official ImageNet checkpoint, a raw state dict) into ``model.backbone``. The load
+            report (missing / unexpected / resized keys) is kept as ``model.load_report``.
+        device (str, optional): move the model there.
+        allow_unsafe_pickle (bool, optional): opt in to full pickle loading of trusted files.
+        **kwargs: merged into the config's ``model`` dict, e.g. ``backbone=dict(drop_path_rate=0)``.
+    """
+    import linattn_mm  # noqa: F401  (registration)
+    import importlib
+    from mmengine.registry import DefaultScope
+
+    from linattn_mm.checkpoint import extract_state_dict, load_pretrained, safe_load
+    cfg = get_config(name)
+    model_cfg = _merge(copy.deepcopy(cfg.model.to_dict() if hasattr(cfg.model, 'to_dict')
+                                     else dict(cfg.model)), kwargs)
+    scope = cfg.get('default_scope', 'mmpretrain')
+    if scope not in SCOPE_REGISTRIES:
+        raise ValueError(f'config {name!r} has default_scope {scope!r}; expected one of '
+                         f'{sorted(SCOPE_REGISTRIES)}')
+    registry = importlib.import_module(SCOPE_REGISTRIES[scope]).MODELS
+    if pretrained is not None:
+        # the whole model is loaded below; do not load the backbone's own init checkpoint
+        bb = model_cfg.get('backbone', {})
+        if isinstance(bb.get('init_cfg'), dict) and bb['init_cfg'].get('type') == 'Pretrained':
+            bb.pop('init_cfg')
+    with DefaultScope.overwrite_default_scope(scope):
+        model = registry.build(model_cfg)
+    model.init_weights()
+    if pretrained is not None:
+        ckpt = safe_load(pretrained, allow_unsafe_pickle=allow_unsafe_pickle)
+        state, _ = extract_state_dict(ckpt)
+        whole = any(k.startswith(('backbone.', 'module.backbone.')) for k in state)
+        target = model if whole or not hasattr(model, 'backbone') else model.backbone
+        model.load_report = load_pretrained(target, ckpt, prefix=None,
+                                            allow_unsafe_pickle=allow_unsafe_pickle)
+    if device is not None:
+        model.to(device)
+    model.eval()
+    return model

@@ -1,0 +1,107 @@
+"""The token-mixer interface shared by every attention family.
+
+A token mixer maps tokens ``x`` of shape ``(B, N, C)`` laid out row-major on a grid ``hw_shape = (H, W)``
+to tokens of the same shape. ``N == num_extra_tokens + H * W``: extra tokens (a ViT/DeiT class
+token) come first and are not part of the grid.
+
+Skeletons build their mixers with :func:`build_attention`, passing a *context*: facts about the place
+the mixer sits in (``embed_dims``, ``num_heads``, ``block_idx``, ``pretrain_hw``, ...). Each context
+entry is passed only when the mixer's ``__init__`` accepts it, so one skeleton can host any family.
+Options the user writes in the attention config are always passed, so a misspelt option is an error
+that lists the valid ones.
+"""
+import copy
+import inspect
+
+import torch.nn as nn
+from mmengine.model import BaseModule
+
+from linattn_mm.registry import ATTENTIONS
+
+
+class BaseTokenMixer(BaseModule):
+    """Base class of every attention module.
+
+    Subclasses implement ``forward(x, hw_shape)`` with ``x: (B, N, C)`` and return ``(B, N, C)``.
+
+    Args:
+        embed_dims (int): channels C.
+        num_heads (int): number of heads.
+        num_extra_tokens (int): tokens before the grid (e.g. 1 for a class token). Default 0.
+        init_cfg (dict, optional): mmengine init config.
+    """
+
+    #: True if the module can take extra (non-grid) tokens such as a class token.
+    supports_extra_tokens = True
+
+    def __init__(self, embed_dims, num_heads, num_extra_tokens=0, init_cfg=None):
+        super().__init__(init_cfg=init_cfg)
+        if embed_dims % num_heads != 0:
+            raise ValueError(f'{type(self).__name__}: embed_dims={embed_dims} is not divisible by '
+                             f'num_heads={num_heads}')
+        if num_extra_tokens and not self.supports_extra_tokens:
+            raise ValueError(f'{type(self).__name__} does not support extra (class) tokens; '
+                             f'num_extra_tokens={num_extra_tokens}')
+        self.embed_dims = embed_dims
+        self.num_heads = num_heads
+        self.head_dims = embed_dims // num_heads
+        self.num_extra_tokens = num_extra_tokens
+
+    def check_input(self, x, hw_shape):
+        H, W = hw_shape
+        if x.dim() != 3 or x.shape[1] != self.num_extra_tokens + H * W or x.shape[2] != self.embed_dims:
+            raise ValueError(
+                f'{type(self).__name__}: expected tokens (B, {self.num_extra_tokens}+{H}*{W}, '
+                f'{self.embed_dims}) for hw_shape={tuple(hw_shape)}, got {tuple(x.shape)}')
+
+    def forward(self, x, hw_shape):  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+def _init_params(cls):
+    sig = inspect.signature(cls.__init__)
+    names = []
+    var_kw = False
+    for name, p in list(sig.parameters.items())[1:]:
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
+            var_kw = True
+        elif p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
+            names.append(name)
+    return names, var_kw
+
+
+def build_attention(cfg, **context):
+    """Build a token mixer from ``cfg`` (a dict with ``type``) and the skeleton's ``context``.
+
+    ``context`` entries (e.g. ``embed_dims``, ``num_heads``, ``block_idx``) are passed only where the
+    mixer's constructor takes them; entries given in ``cfg`` win over context. Unknown ``type`` or
+    options raise an error that lists the valid names.
+    """
+    if isinstance(cfg, nn.Module):
+        return cfg
+    if not isinstance(cfg, dict) or 'type' not in cfg:
+        raise TypeError(f'attention config must be a dict with a "type" key, got {cfg!r}')
+    cfg = copy.deepcopy(dict(cfg))
+    type_name = cfg.pop('type')
+    cls = type_name if inspect.isclass(type_name) else ATTENTIONS.get(type_name)
+    if cls is None:
+        valid = ', '.join(sorted(ATTENTIONS.module_dict))
+        raise KeyError(f'unknown attention type {type_name!r}; valid types: {valid}')
+    names, var_kw = _init_params(cls)
+    unknown = [k for k in cfg if k not in names]
+    if unknown and not var_kw:
+        raise TypeError(f'{cls.__name__} got unknown option(s) {unknown}; valid options: '
+                        f'{", ".join(n for n in names if n not in ("init_cfg",))}')
+    if context.get('num_extra_tokens') and (
+            'num_extra_tokens' not in names or not getattr(cls, 'supports_extra_tokens', True)):
+        raise ValueError(f'{cls.__name__} does not support extra (class) tokens, but the skeleton '
+                         f'has num_extra_tokens={context["num_extra_tokens"]} (e.g. use '
+                         f'with_cls_token=False)')
+    kwargs = {k: v for k, v in context.items() if k in names and k not in cfg}
+    kwargs.update(cfg)
+    return cls(**kwargs)
+
+
+def list_attentions():
+    """Names of every registered token mixer."""
+    return sorted(ATTENTIONS.module_dict)

@@ -1,0 +1,226 @@
+"""Softmax attention references: global multi-head attention, Swin window attention and PVT
+spatial-reduction attention. Parameter names follow the official DeiT / Swin / PVT code, so
+official checkpoints load with their keys unchanged."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from linattn_mm.registry import ATTENTIONS
+from .base import BaseTokenMixer
+
+
+def _heads(t, num_heads):
+    """(B, N, C) -> (B, h, N, C/h)."""
+    B, N, C = t.shape
+    return t.view(B, N, num_heads, C // num_heads).transpose(1, 2)
+
+
+def _merge_heads(t):
+    """(B, h, N, d) -> (B, N, h*d)."""
+    B, h, N, d = t.shape
+    return t.transpose(1, 2).reshape(B, N, h * d)
+
+
+@ATTENTIONS.register_module()
+class GlobalSoftmaxAttention(BaseTokenMixer):
+    """Global multi-head self-attention (ViT/DeiT) via ``F.scaled_dot_product_attention``.
+
+    Args:
+        embed_dims (int): channels.
+        num_heads (int): heads.
+        num_extra_tokens (int): class tokens before the grid; they attend and are attended like any
+            token.
+        qkv_bias (bool): bias in the qkv projection. Default True.
+        qk_scale (float, optional): logit scale; default ``head_dims ** -0.5``.
+        attn_drop (float): dropout on attention weights (training only).
+        proj_drop (float): dropout after the output projection.
+    """
+
+    def __init__(self, embed_dims, num_heads, num_extra_tokens=0, qkv_bias=True, qk_scale=None,
+                 attn_drop=0., proj_drop=0., init_cfg=None):
+        super().__init__(embed_dims, num_heads, num_extra_tokens, init_cfg)
+        self.scale = qk_scale or self.head_dims ** -0.5
+        self.qkv = nn.Linear(embed_dims, embed_dims * 3, bias=qkv_bias)
+        self.attn_drop = attn_drop
+        self.proj = nn.Linear(embed_dims, embed_dims)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def forward(self, x, hw_shape):
+        self.check_input(x, hw_shape)
+        q, k, v = _heads(self.qkv(x), self.num_heads * 3).chunk(3, dim=1)
+        out = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.attn_drop if self.training else 0., scale=self.scale)
+        return self.proj_drop(self.proj(_merge_heads(out)))
+
+
+def relative_position_index(window_size):
+    """Index (Wh*Ww, Wh*Ww) into a ((2Wh-1)*(2Ww-1), h) bias table, as in Swin."""
+    wh, ww = window_size
+    coords = torch.stack(torch.meshgrid(torch.arange(wh), torch.arange(ww), indexing='ij')).flatten(1)
+    rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0)
+    rel[:, :, 0] += wh - 1
+    rel[:, :, 1] += ww - 1
+    rel[:, :, 0] *= 2 * ww - 1
+    return rel.sum(-1)
+
+
+def window_partition(x, ws):
+    """(B, H, W, C) with H, W multiples of ws -> (B*nW, ws*ws, C)."""
+    B, H, W, C = x.shape
+    x = x.view(B, H // ws, ws, W // ws, ws, C).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(-1, ws * ws, C)
+
+
+def window_reverse(windows, ws, H, W):
+    """Inverse of :func:`window_partition`."""
+    C = windows.shape[-1]
+    B = windows.shape[0] // ((H // ws) * (W // ws))
+    x = windows.view(B, H // ws, W // ws, ws, ws, C).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(B, H, W, C)
+
+
+def shift_window_mask(Hp, Wp, ws, shift, device):
+    """Additive mask (nW, ws*ws, ws*ws) that keeps cyclically shifted windows from mixing regions
+    that are not adjacent in the image (Swin SW-MSA)."""
+    img = torch.zeros(1, Hp, Wp, 1, device=device)
+    cnt = 0
+    for hs in (slice(0, -ws), slice(-ws, -shift), slice(-shift, None)):
+        for wsl in (slice(0, -ws), slice(-ws, -shift), slice(-shift, None)):
+            img[:, hs, wsl, :] = cnt
+            cnt += 1
+    win = window_partition(img, ws).squeeze(-1)
+    mask = win[:, None, :] - win[:, :, None]
+    return mask.masked_fill(mask != 0, -100.0).masked_fill(mask == 0, 0.0)
+
+
+@ATTENTIONS.register_module()
+class WindowSoftmaxAttention(BaseTokenMixer):
+    """Swin (shifted) window attention with relative position bias, on a full token grid.
+
+    The grid is padded at the bottom/right to a multiple of ``window_size`` (any H×W works), cyclically
+    shifted for SW-MSA blocks, split into windows, and cropped back afterwards.
+
+    Args:
+        embed_dims (int): channels.
+        num_heads (int): heads.
+        window_size (int): window side. Default 7.
+        shift (bool | str): ``'alternate'`` (default) shifts by ``window_size // 2`` in odd blocks of a
+            stage, ``True`` always, ``False`` never.
+        block_idx (int): index of the block in its stage (given by the skeleton).
+        qkv_bias (bool), qk_scale (float, optional), attn_drop, proj_drop: as in Swin.
+    """
+    supports_extra_tokens = False
+
+    def __init__(self, embed_dims, num_heads, window_size=7, shift='alternate', block_idx=0,
+                 qkv_bias=True, qk_scale=None, attn_drop=0., proj_drop=0., init_cfg=None):
+        super().__init__(embed_dims, num_heads, 0, init_cfg)
+        if shift not in ('alternate', True, False):
+            raise ValueError(f"shift must be 'alternate', True or False, got {shift!r}")
+        self.window_size = int(window_size)
+        do_shift = shift is True or (shift == 'alternate' and block_idx % 2 == 1)
+        self.shift_size = self.window_size // 2 if do_shift else 0
+        self.scale = qk_scale or self.head_dims ** -0.5
+        ws = self.window_size
+        self.relative_position_bias_table = nn.Parameter(
+            torch.zeros((2 * ws - 1) * (2 * ws - 1), num_heads))
+        self.register_buffer('relative_position_index', relative_position_index((ws, ws)),
+                             persistent=False)
+        self.qkv = nn.Linear(embed_dims, embed_dims * 3, bias=qkv_bias)
+        self.attn_drop = attn_drop
+        self.proj = nn.Linear(embed_dims, embed_dims)
+        self.proj_drop = nn.Dropout(proj_drop)
+        nn.init.trunc_normal_(self.relative_position_bias_table, std=.02)
+
+    def relative_position_bias(self):
+        n = self.window_size ** 2
+        bias = self.relative_position_bias_table[self.relative_position_index.view(-1)]
+        return bias.view(n, n, -1).permute(2, 0, 1).contiguous()  # (h, n, n)
+
+    def forward(self, x, hw_shape):
+        self.check_input(x, hw_shape)
+        B, N, C = x.shape
+        H, W = hw_shape
+        ws, s = self.window_size, self.shift_size
+        x = x.view(B, H, W, C)
+        pad_b, pad_r = (-H) % ws, (-W) % ws
+        if pad_b or pad_r:
+            x = F.pad(x, (0, 0, 0, pad_r, 0, pad_b))
+        Hp, Wp = H + pad_b, W + pad_r
+        if s:
+            x = torch.roll(x, shifts=(-s, -s), dims=(1, 2))
+        windows = window_partition(x, ws)  # (B*nW, n, C)
+        q, k, v = _heads(self.qkv(windows), self.num_heads * 3).chunk(3, dim=1)
+        bias = self.relative_position_bias().to(q.dtype)[None]  # (1, h, n, n)
+        if s:
+            mask = shift_window_mask(Hp, Wp, ws, s, x.device).to(q.dtype)  # (nW, n, n)
+            bias = (bias + mask[:, None]).repeat(B, 1, 1, 1)  # (B*nW, h, n, n)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=bias, dropout_p=self.attn_drop if self.training else 0.,
+            scale=self.scale)
+        out = self.proj_drop(self.proj(_merge_heads(out)))
+        x = window_reverse(out, ws, Hp, Wp)
+        if s:
+            x = torch.roll(x, shifts=(s, s), dims=(1, 2))
+        return x[:, :H, :W, :].reshape(B, H * W, C)
+
+
+@ATTENTIONS.register_module()
+class SRSoftmaxAttention(BaseTokenMixer):
+    """PVT spatial-reduction attention: keys/values come from the grid reduced by a
+    ``sr_ratio``-strided convolution (+LayerNorm), or, with ``linear=True`` (PVTv2-li), from a 7×7
+    adaptive average pool followed by a 1×1 conv, LayerNorm and GELU.
+
+    Args:
+        embed_dims (int), num_heads (int): channels, heads.
+        sr_ratio (int): spatial reduction of K/V (1 = none). Default 1.
+        linear (bool): PVTv2 linear SRA. Default False.
+        num_extra_tokens (int): class tokens; they are kept unreduced in K/V.
+        qkv_bias, qk_scale, attn_drop, proj_drop: as in PVT.
+    """
+
+    def __init__(self, embed_dims, num_heads, sr_ratio=1, linear=False, num_extra_tokens=0,
+                 qkv_bias=True, qk_scale=None, attn_drop=0., proj_drop=0., init_cfg=None):
+        super().__init__(embed_dims, num_heads, num_extra_tokens, init_cfg)
+        self.scale = qk_scale or self.head_dims ** -0.5
+        self.sr_ratio = int(sr_ratio)
+        self.linear = bool(linear)
+        self.q = nn.Linear(embed_dims, embed_dims, bias=qkv_bias)
+        self.kv = nn.Linear(embed_dims, embed_dims * 2, bias=qkv_bias)
+        self.attn_drop = attn_drop
+        self.proj = nn.Linear(embed_dims, embed_dims)
+        self.proj_drop = nn.Dropout(proj_drop)
+        if self.linear:
+            self.pool = nn.AdaptiveAvgPool2d(7)
+            self.sr = nn.Conv2d(embed_dims, embed_dims, kernel_size=1, stride=1)
+            self.norm = nn.LayerNorm(embed_dims)
+            self.act = nn.GELU()
+        elif self.sr_ratio > 1:
+            self.sr = nn.Conv2d(embed_dims, embed_dims, kernel_size=self.sr_ratio,
+                                stride=self.sr_ratio)
+            self.norm = nn.LayerNorm(embed_dims)
+
+    def reduce(self, x, hw_shape):
+        """Tokens (B, N, C) -> key/value source tokens (B, n, C)."""
+        if not self.linear and self.sr_ratio == 1:
+            return x
+        e = self.num_extra_tokens
+        extra, grid = x[:, :e], x[:, e:]
+        B, _, C = grid.shape
+        H, W = hw_shape
+        grid = grid.transpose(1, 2).reshape(B, C, H, W)
+        if self.linear:
+            grid = self.act(self.norm(self.sr(self.pool(grid)).flatten(2).transpose(1, 2)))
+        else:
+            if H < self.sr_ratio or W < self.sr_ratio:
+                raise ValueError(f'SRSoftmaxAttention: token grid {H}x{W} is smaller than '
+                                 f'sr_ratio={self.sr_ratio}; use a larger input')
+            grid = self.norm(self.sr(grid).flatten(2).transpose(1, 2))
+        return torch.cat([extra, grid], dim=1) if e else grid
+
+    def forward(self, x, hw_shape):
+        self.check_input(x, hw_shape)
+        q = _heads(self.q(x), self.num_heads)
+        k, v = _heads(self.kv(self.reduce(x, hw_shape)), self.num_heads * 2).chunk(2, dim=1)
+        out = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.attn_drop if self.training else 0., scale=self.scale)
+        return self.proj_drop(self.proj(_merge_heads(out)))

@@ -1,0 +1,165 @@
+"""Shared behaviour of linattn_mm backbones: arch zoo lookup, per-stage attention configs,
+standard mm backbone arguments (frozen_stages, norm_eval, init_cfg/pretrained) and checkpoint
+loading through :func:`linattn_mm.checkpoint.load_pretrained`."""
+import copy
+import math
+import warnings
+
+import torch.nn as nn
+from mmengine.model import BaseModule
+from torch.nn.modules.batchnorm import _BatchNorm
+
+
+def resolve_arch(cls_name, arch_zoo, arch, required_keys):
+    """Return the arch settings for ``arch`` (a zoo name or a dict of settings)."""
+    if isinstance(arch, str):
+        key = arch.lower()
+        if key not in arch_zoo:
+            raise KeyError(f'{cls_name}: unknown arch {arch!r}; valid archs: '
+                           f'{", ".join(sorted(arch_zoo))} (or a dict with keys '
+                           f'{sorted(required_keys)})')
+        return copy.deepcopy(arch_zoo[key])
+    if not isinstance(arch, dict):
+        raise TypeError(f'{cls_name}: arch must be a name or a dict, got {type(arch).__name__}')
+    missing = set(required_keys) - set(arch)
+    if missing:
+        raise KeyError(f'{cls_name}: custom arch is missing {sorted(missing)}; '
+                       f'required keys: {sorted(required_keys)}')
+    return copy.deepcopy(dict(arch))
+
+
+def per_stage(cls_name, value, num_stages, what='attn_cfg'):
+    """Expand one config to every stage, or check a per-stage list has the right length."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != num_stages:
+            raise ValueError(f'{cls_name}: {what} has {len(value)} entries but the arch has '
+                             f'{num_stages} stages')
+        return [copy.deepcopy(v) for v in value]
+    return [copy.deepcopy(value) for _ in range(num_stages)]
+
+
+def drop_path_rates(drop_path_rate, depths):
+    """Linearly increasing stochastic depth over all blocks, split per stage."""
+    total = sum(depths)
+    rates = [drop_path_rate * i / max(total - 1, 1) for i in range(total)]
+    out, start = [], 0
+    for d in depths:
+        out.append(rates[start:start + d])
+        start += d
+    return out
+
+
+def init_transformer_weights(m):
+    """Default init of the official PVT/Swin/DeiT code: trunc-normal(0.02) linears, unit
+    LayerNorms, fan-out normal convs."""
+    if isinstance(m, nn.Linear):
+        nn.init.trunc_normal_(m.weight, std=.02)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, (nn.LayerNorm, nn.GroupNorm, _BatchNorm)):
+        if m.weight is not None:
+            nn.init.ones_(m.weight)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.Conv2d):
+        fan_out = m.kernel_size[0] * m.kernel_size[1] * m.out_channels // m.groups
+        nn.init.normal_(m.weight, 0, math.sqrt(2.0 / fan_out))
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+
+class LinAttnBackbone(BaseModule):
+    """Base of every linattn_mm backbone.
+
+    Subclasses set ``self.num_stages`` and implement ``stage_modules(i)`` (modules of stage ``i``,
+    0-based) and ``stem_modules()`` (modules before stage 0) for ``frozen_stages``.
+    """
+
+    #: regexes of checkpoint keys that are dropped (and reported) when loading pretrained weights
+    pretrained_ignore_keys = ()
+
+    def __init__(self, init_cfg=None, pretrained=None, frozen_stages=-1, norm_eval=False):
+        if pretrained is not None:
+            if init_cfg is not None:
+                raise ValueError('init_cfg and pretrained cannot both be set')
+            if not isinstance(pretrained, str):
+                raise TypeError(f'pretrained must be a str or None, got {type(pretrained).__name__}')
+            warnings.warn('pretrained is deprecated; use init_cfg=dict(type="Pretrained", '
+                          'checkpoint=...)', DeprecationWarning)
+            init_cfg = dict(type='Pretrained', checkpoint=pretrained)
+        super().__init__(init_cfg=init_cfg)
+        self.frozen_stages = frozen_stages
+        self.norm_eval = norm_eval
+
+    # --- weights -------------------------------------------------------------------------------
+    def _pretrained_cfg(self):
+        cfg = self.init_cfg
+        if isinstance(cfg, (list, tuple)):
+            cfg = next((c for c in cfg if c.get('type') == 'Pretrained'), None)
+        if isinstance(cfg, dict) and cfg.get('type') == 'Pretrained':
+            return cfg
+        return None
+
+    def init_weights(self):
+        """Default (official-code) init, then the mixers' own ``init_weights``, then the
+        ``Pretrained`` checkpoint (if any) through :func:`linattn_mm.checkpoint.load_pretrained`,
+        which unwraps official / mmpretrain / raw files, resizes size-dependent tensors and
+        reports missing and unexpected keys."""
+        self.apply(init_transformer_weights)
+        pre = self._pretrained_cfg()
+        saved = self.init_cfg
+        if pre is not None:
+            rest = [c for c in (saved if isinstance(saved, (list, tuple)) else [saved])
+                    if c is not pre]
+            self.init_cfg = rest or None
+        try:
+            super().init_weights()
+        finally:
+            self.init_cfg = saved
+        if pre is None:
+            return
+        from linattn_mm.checkpoint import load_pretrained
+        unknown = set(pre) - {'type', 'checkpoint', 'prefix', 'map_location',
+                              'allow_unsafe_pickle', 'prefer_ema', 'strict'}
+        if unknown:
+            raise KeyError(f'unknown Pretrained init_cfg option(s) {sorted(unknown)}; valid: '
+                           'checkpoint, prefix, map_location, allow_unsafe_pickle, prefer_ema, '
+                           'strict')
+        self.pretrained_load_report = load_pretrained(
+            self, pre['checkpoint'], prefix=pre.get('prefix'),
+            map_location=pre.get('map_location', 'cpu'),
+            allow_unsafe_pickle=pre.get('allow_unsafe_pickle'),
+            prefer_ema=pre.get('prefer_ema', True), strict=pre.get('strict', False))
+
+    # --- freezing ------------------------------------------------------------------------------
+    def stem_modules(self):
+        return []
+
+    def stage_modules(self, i):
+        raise NotImplementedError
+
+    def _freeze_stages(self):
+        if self.frozen_stages < 0:
+            return
+        if self.frozen_stages > self.num_stages:
+            raise ValueError(f'frozen_stages={self.frozen_stages} exceeds the '
+                             f'{self.num_stages} stages')
+        groups = list(self.stem_modules())
+        for i in range(self.frozen_stages):
+            groups += list(self.stage_modules(i))
+        for m in groups:
+            if isinstance(m, nn.Parameter):
+                m.requires_grad = False
+                continue
+            m.eval()
+            for p in m.parameters():
+                p.requires_grad = False
+
+    def train(self, mode=True):
+        super().train(mode)
+        self._freeze_stages()
+        if mode and self.norm_eval:
+            for m in self.modules():
+                if isinstance(m, _BatchNorm):
+                    m.eval()
+        return self

@@ -1,0 +1,180 @@
+"""Building blocks shared by the skeletons (pure torch)."""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint as cp
+
+from linattn_mm.models.attentions.base import build_attention
+
+
+class DropPath(nn.Module):
+    """Stochastic depth per sample."""
+
+    def __init__(self, drop_prob=0.):
+        super().__init__()
+        self.drop_prob = float(drop_prob)
+
+    def forward(self, x):
+        if self.drop_prob == 0. or not self.training:
+            return x
+        keep = 1 - self.drop_prob
+        mask = x.new_empty((x.shape[0], ) + (1, ) * (x.dim() - 1)).bernoulli_(keep)
+        return x * mask / keep
+
+    def extra_repr(self):
+        return f'drop_prob={self.drop_prob}'
+
+
+def nlc_to_nchw(x, hw_shape):
+    B, N, C = x.shape
+    H, W = hw_shape
+    return x.transpose(1, 2).reshape(B, C, H, W)
+
+
+def nchw_to_nlc(x):
+    return x.flatten(2).transpose(1, 2)
+
+
+class DWConv(nn.Module):
+    """3×3 depth-wise conv on tokens (PVTv2 FFN). Key: ``dwconv.weight``."""
+
+    def __init__(self, dims):
+        super().__init__()
+        self.dwconv = nn.Conv2d(dims, dims, 3, 1, 1, bias=True, groups=dims)
+
+    def forward(self, x, hw_shape):
+        return nchw_to_nlc(self.dwconv(nlc_to_nchw(x, hw_shape)))
+
+
+class Mlp(nn.Module):
+    """Transformer FFN ``fc2(act(fc1(x)))``; with ``dwconv=True`` a 3×3 depth-wise conv follows fc1
+    (PVTv2). Keys ``fc1``, ``fc2`` (and ``dwconv.dwconv``) as in the official code."""
+
+    def __init__(self, in_dims, hidden_dims, drop=0., dwconv=False):
+        super().__init__()
+        self.fc1 = nn.Linear(in_dims, hidden_dims)
+        self.dwconv = DWConv(hidden_dims) if dwconv else None
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden_dims, in_dims)
+        self.drop = nn.Dropout(drop)
+
+    def forward(self, x, hw_shape):
+        x = self.fc1(x)
+        if self.dwconv is not None:
+            x = self.dwconv(x, hw_shape)
+        return self.drop(self.fc2(self.drop(self.act(x))))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block ``x + attn(norm1(x)); x + mlp(norm2(x))`` with any token mixer.
+
+    Args:
+        embed_dims (int): channels.
+        num_heads (int): heads.
+        attn_cfg (dict): token-mixer config (see :func:`build_attention`).
+        mlp_ratio (float): FFN hidden ratio.
+        drop_path (float): stochastic depth rate of this block.
+        drop_rate (float): dropout in FFN/projection.
+        dwconv_mlp (bool): PVTv2 FFN.
+        with_cp (bool): gradient checkpointing of this block.
+        context (dict): extra context for the token mixer (block_idx, pretrain_hw, ...).
+    """
+
+    def __init__(self, embed_dims, num_heads, attn_cfg, mlp_ratio=4., drop_path=0., drop_rate=0.,
+                 dwconv_mlp=False, with_cp=False, **context):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(embed_dims)
+        self.attn = build_attention(attn_cfg, embed_dims=embed_dims, num_heads=num_heads,
+                                    proj_drop=drop_rate, **context)
+        self.drop_path = DropPath(drop_path)
+        self.norm2 = nn.LayerNorm(embed_dims)
+        self.mlp = Mlp(embed_dims, int(embed_dims * mlp_ratio), drop_rate, dwconv_mlp)
+        self.with_cp = with_cp
+
+    def _forward(self, x, hw_shape):
+        x = x + self.drop_path(self.attn(self.norm1(x), hw_shape))
+        if self.mlp.dwconv is not None and self.attn.num_extra_tokens:
+            raise ValueError('a depth-wise conv FFN cannot take class tokens')
+        return x + self.drop_path(self.mlp(self.norm2(x), hw_shape))
+
+    def forward(self, x, hw_shape):
+        if self.with_cp and x.requires_grad:
+            return cp.checkpoint(self._forward, x, hw_shape, use_reentrant=False)
+        return self._forward(x, hw_shape)
+
+
+class PatchEmbed(nn.Module):
+    """Conv patch embedding + optional LayerNorm; keys ``proj`` and ``norm``.
+
+    Non-overlapping embeddings (kernel == stride) pad the input at the bottom/right to a multiple of
+    the stride, so the output grid is ``ceil(H / stride) × ceil(W / stride)`` for any input; overlapping
+    ones (PVTv2: kernel 7 stride 4 pad 3, kernel 3 stride 2 pad 1) give the same grid through padding.
+    """
+
+    def __init__(self, in_channels, embed_dims, kernel_size, stride, padding=0, norm=True):
+        super().__init__()
+        self.stride = stride
+        self.kernel_size = kernel_size
+        self.proj = nn.Conv2d(in_channels, embed_dims, kernel_size, stride, padding)
+        self.norm = nn.LayerNorm(embed_dims) if norm else None
+
+    def forward(self, x):
+        """(B, C, H, W) -> tokens (B, N, C'), hw_shape."""
+        if self.kernel_size == self.stride:
+            H, W = x.shape[-2:]
+            pad_b, pad_r = (-H) % self.stride, (-W) % self.stride
+            if pad_b or pad_r:
+                x = F.pad(x, (0, pad_r, 0, pad_b))
+        x = self.proj(x)
+        hw = tuple(x.shape[-2:])
+        x = nchw_to_nlc(x)
+        if self.norm is not None:
+            x = self.norm(x)
+        return x, hw
+
+
+class PatchMerging(nn.Module):
+    """Swin 2×2 patch merging (pads odd sizes); keys ``norm`` (4C) and ``reduction`` (4C -> out)."""
+
+    def __init__(self, in_dims, out_dims):
+        super().__init__()
+        self.norm = nn.LayerNorm(4 * in_dims)
+        self.reduction = nn.Linear(4 * in_dims, out_dims, bias=False)
+
+    def forward(self, x, hw_shape):
+        B, N, C = x.shape
+        H, W = hw_shape
+        x = x.view(B, H, W, C)
+        if H % 2 or W % 2:
+            x = F.pad(x, (0, 0, 0, W % 2, 0, H % 2))
+        x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]], -1)
+        hw = tuple(x.shape[1:3])
+        return self.reduction(self.norm(x.view(B, -1, 4 * C))), hw
+
+
+def resize_grid_embed(embed, src_hw, dst_hw, num_extra_tokens=0, mode='bicubic'):
+    """Resize a (1, E + h*w, C) token table laid out on ``src_hw`` to ``dst_hw`` (extra tokens kept)."""
+    if tuple(src_hw) == tuple(dst_hw):
+        return embed
+    extra, grid = embed[:, :num_extra_tokens], embed[:, num_extra_tokens:]
+    C = grid.shape[-1]
+    grid = grid.reshape(1, src_hw[0], src_hw[1], C).permute(0, 3, 1, 2)
+    grid = F.interpolate(grid.float(), size=tuple(dst_hw), mode=mode,
+                         align_corners=False).to(embed.dtype)
+    grid = grid.flatten(2).transpose(1, 2)
+    return torch.cat([extra, grid], dim=1) if num_extra_tokens else grid
+
+
+def square_hw(num_tokens):
+    side = int(round(math.sqrt(num_tokens)))
+    if side * side != num_tokens:
+        raise ValueError(f'{num_tokens} tokens do not form a square grid')
+    return side, side
+
+
+def make_blocks(depth, dpr, **kwargs):
+    """A ModuleList of ``depth`` TransformerBlocks with stochastic-depth rates ``dpr``."""
+    return nn.ModuleList(
+        [TransformerBlock(drop_path=dpr[j], block_idx=j, **kwargs) for j in range(depth)])

@@ -1,0 +1,533 @@
+"""Tests of linattn_mm.checkpoint: safe loading, unwrapping, resizing, reporting, conversion."""
+import argparse
+import logging
+import os
+import sys
+import types
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from linattn_mm import checkpoint as ck
+from linattn_mm.checkpoint import (CheckpointError, LoadReport, UnsafePickleWarning,
+                                   allow_safe_globals, convert_checkpoint, extract_state_dict,
+                                   load_pretrained, register_resizer, resize_tensor, safe_load,
+                                   strip_prefixes)
+
+DIM = 8
+
+
+# ----------------------------------------------------------------------------------------------
+# tiny models
+# ----------------------------------------------------------------------------------------------
+class TinyAttn(nn.Module):
+    def __init__(self, window, heads):
+        super().__init__()
+        self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * window - 1) ** 2, heads))
+        idx = torch.arange(window * window)
+        self.register_buffer('relative_position_index', idx[:, None] - idx[None, :])
+
+
+class TinyBlock(nn.Module):
+    def __init__(self, window, heads, pe_grid):
+        super().__init__()
+        self.attn = TinyAttn(window, heads)
+        self.positional_encoding = nn.Parameter(torch.zeros(1, pe_grid * pe_grid, DIM))
+
+
+class Tiny(nn.Module):
+    def __init__(self, grid=4, extra=1, window=3, heads=2, pe_grid=4):
+        super().__init__()
+        self.pos_embed = nn.Parameter(torch.zeros(1, extra + grid * grid, DIM))
+        self.layers = nn.ModuleList([TinyBlock(window, heads, pe_grid)])
+        self.proj = nn.Linear(DIM, DIM)
+
+
+def random_sd(model, seed=0):
+    """Random values for every float tensor of ``model`` (integer buffers kept as they are)."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: (torch.randn(v.shape, generator=g) if v.is_floating_point() else v.clone())
+            for k, v in model.state_dict().items()}
+
+
+def float_items(sd):
+    return {k: v for k, v in sd.items() if v.is_floating_point()}
+
+
+def assert_loaded(model, sd):
+    msd = model.state_dict()
+    for k, v in float_items(sd).items():
+        assert torch.equal(msd[k], v), k
+
+
+def save(obj, path):
+    torch.save(obj, path)
+    return str(path)
+
+
+QUIET = logging.getLogger('linattn_test_quiet')
+QUIET.addHandler(logging.NullHandler())
+QUIET.propagate = False
+
+
+# ----------------------------------------------------------------------------------------------
+# formats
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize('layout', ['model', 'model_ema', 'state_dict_backbone', 'module', 'raw'])
+def test_formats_load_exact_values(tmp_path, layout):
+    model = Tiny()
+    sd = random_sd(model, 1)
+    ema = random_sd(model, 2)
+    expected, source = sd, layout
+    if layout == 'model':
+        ckpt = {'model': {**sd, 'head.weight': torch.randn(10, DIM)},
+                'optimizer': {'state': {}, 'param_groups': []}, 'epoch': 3,
+                'max_accuracy': torch.tensor(81.2)}
+    elif layout == 'model_ema':
+        ckpt = {'model': sd, 'model_ema': ema, 'epoch': 299}
+        expected = ema
+    elif layout == 'state_dict_backbone':
+        ckpt = {'state_dict': {**{'backbone.' + k: v for k, v in sd.items()},
+                               'head.fc.weight': torch.randn(10, DIM),
+                               'neck.gap.weight': torch.randn(3),
+                               'data_preprocessor.mean': torch.randn(3)},
+                'meta': {'epoch': 1, 'dataset_meta': {'classes': ('a', 'b')}}}
+    elif layout == 'module':
+        ckpt = {'state_dict': {'module.' + k: v for k, v in sd.items()}}
+        source = 'state_dict'
+    else:
+        ckpt = dict(sd)
+    path = save(ckpt, tmp_path / 'ckpt.pth')
+    report = load_pretrained(model, path, logger=QUIET)
+    assert_loaded(model, expected)
+    assert report.source == {'state_dict_backbone': 'state_dict'}.get(layout, source)
+    assert report.missing == [] and report.unexpected == []
+    assert report.dropped.get('layers.0.attn.relative_position_index') == 'recomputed buffer'
+    assert set(report.loaded) == set(float_items(sd))
+    if layout == 'model':
+        assert 'classifier head' in report.dropped['head.weight']
+    if layout == 'state_dict_backbone':
+        for k in ('head.fc.weight', 'neck.gap.weight', 'data_preprocessor.mean'):
+            assert 'not part of the backbone' in report.dropped[k]
+    if layout == 'model_ema':  # and the non-EMA weights on request
+        load_pretrained(model, path, prefer_ema=False, logger=QUIET)
+        assert_loaded(model, sd)
+
+
+def test_in_memory_dict_and_extract_helpers():
+    model = Tiny()
+    sd = random_sd(model, 3)
+    report = load_pretrained(model, {'state_dict': sd}, logger=QUIET)
+    assert report.checkpoint == '<in-memory dict>'
+    assert_loaded(model, sd)
+    with pytest.warns(UserWarning, match='steps'):
+        out, source = extract_state_dict({'model_ema': {'a': torch.ones(1), 'steps': 7},
+                                          'model': {'a': torch.zeros(1)}})
+    assert source == 'model_ema' and list(out) == ['a'] and out['a'].item() == 1
+    out, source = extract_state_dict({'model_ema': {'a': torch.ones(1)},
+                                      'model': {'a': torch.zeros(1)}}, prefer_ema=False)
+    assert source == 'model' and out['a'].item() == 0
+    with pytest.raises(CheckpointError, match="'epoch'.*'config'|'config'.*'epoch'"):
+        extract_state_dict({'epoch': 3, 'config': {'lr': 0.1}})
+
+
+def test_strip_prefixes():
+    t = torch.zeros(1)
+    out, dropped = strip_prefixes({'module.module.a': t, 'module.b': t})
+    assert list(out) == ['a', 'b'] and dropped == {}
+    out, dropped = strip_prefixes({'backbone.a': t, 'head.w': t, 'neck.x': t})
+    assert list(out) == ['a'] and set(dropped) == {'head.w', 'neck.x'}
+    out, dropped = strip_prefixes({'encoder.a': t, 'decoder.b': t}, prefix='encoder.')
+    assert list(out) == ['a'] and list(dropped) == ['decoder.b']
+    with pytest.raises(CheckpointError, match="prefix 'backbone.'.*'encoder.a'"):
+        strip_prefixes({'encoder.a': t}, prefix='backbone.')
+
+
+# ----------------------------------------------------------------------------------------------
+# resizing
+# ----------------------------------------------------------------------------------------------
+def grid_interp(tokens, src_side, dst_side):
+    """Independent reference: (1, s*s, C) -> (1, t*t, C) bicubic, align_corners=False."""
+    c = tokens.shape[-1]
+    grid = tokens.reshape(1, src_side, src_side, c).permute(0, 3, 1, 2)
+    out = F.interpolate(grid, size=(dst_side, dst_side), mode='bicubic', align_corners=False)
+    return out.permute(0, 2, 3, 1).reshape(1, dst_side * dst_side, c)
+
+
+def test_pos_embed_resized_with_class_token():
+    src_model, model = Tiny(grid=4), Tiny(grid=6)
+    sd = random_sd(src_model, 4)
+    report = load_pretrained(model, {'model': sd}, logger=QUIET)
+    got = model.pos_embed.detach()
+    src = sd['pos_embed']
+    assert got.shape == (1, 37, DIM)
+    assert torch.equal(got[:, :1], src[:, :1])  # class token row preserved
+    torch.testing.assert_close(got[:, 1:], grid_interp(src[:, 1:], 4, 6), rtol=0, atol=1e-6)
+    assert report.resized['pos_embed'] == ((1, 17, DIM), (1, 37, DIM))
+    assert 'pos_embed' in report.summary() and '(1, 17, 8) -> (1, 37, 8)' in report.summary()
+
+
+def test_pos_embed_class_token_dropped_and_reported():
+    sd = random_sd(Tiny(grid=4, extra=1), 5)
+    model = Tiny(grid=4, extra=0)
+    report = load_pretrained(model, sd, logger=QUIET)
+    assert torch.equal(model.pos_embed.detach(), sd['pos_embed'][:, 1:])
+    assert report.resized['pos_embed'] == ((1, 17, DIM), (1, 16, DIM))
+    assert 'dropped 1 extra token' in report.notes['pos_embed']
+    assert 'dropped 1 extra token' in report.summary()
+
+
+def test_pos_embed_4d_and_positional_encoding():
+    src = torch.randn(1, DIM, 4, 4)
+    out, _ = resize_tensor('backbone.absolute_pos_embed', src, torch.Size([1, DIM, 6, 5]))
+    ref = F.interpolate(src, size=(6, 5), mode='bicubic', align_corners=False)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+    sd = random_sd(Tiny(pe_grid=4), 6)
+    model = Tiny(pe_grid=3)
+    report = load_pretrained(model, sd, logger=QUIET)
+    ref = grid_interp(sd['layers.0.positional_encoding'], 4, 3)
+    torch.testing.assert_close(model.layers[0].positional_encoding.detach(), ref, rtol=0,
+                               atol=1e-6)
+    assert report.resized['layers.0.positional_encoding'] == ((1, 16, DIM), (1, 9, DIM))
+    with pytest.raises(CheckpointError, match='not a square'):
+        resize_tensor('positional_encoding', torch.randn(1, 17, DIM), torch.Size([1, 9, DIM]))
+
+
+def test_relative_position_bias_table_resize_per_head():
+    sd = random_sd(Tiny(window=3), 7)  # (5*5, 2)
+    model = Tiny(window=5)  # (9*9, 2)
+    report = load_pretrained(model, sd, logger=QUIET)
+    key = 'layers.0.attn.relative_position_bias_table'
+    src, got = sd[key], model.state_dict()[key]
+    assert got.shape == (81, 2)
+    for h in range(2):
+        ref = F.interpolate(src[:, h].reshape(1, 1, 5, 5), size=(9, 9), mode='bicubic',
+                            align_corners=False).reshape(81)
+        torch.testing.assert_close(got[:, h], ref, rtol=0, atol=1e-6)
+    assert report.resized[key] == ((25, 2), (81, 2))
+    # the window-size dependent index buffer is recomputed by the model, never loaded
+    assert key.replace('bias_table', 'index') not in report.missing
+
+
+def test_relative_position_bias_table_head_mismatch():
+    sd = random_sd(Tiny(heads=3), 8)
+    model = Tiny(heads=2)
+    before = model.pos_embed.detach().clone()
+    with pytest.raises(CheckpointError, match='heads'):
+        load_pretrained(model, sd, logger=QUIET)
+    assert torch.equal(model.pos_embed.detach(), before)  # nothing loaded
+
+
+def test_shape_mismatch_without_resizer():
+    model = Tiny()
+    sd = random_sd(model, 9)
+    sd['proj.weight'] = torch.randn(4, DIM)
+    with pytest.raises(CheckpointError) as info:
+        load_pretrained(model, sd, logger=QUIET)
+    msg = str(info.value)
+    assert 'proj.weight' in msg and '(4, 8)' in msg and '(8, 8)' in msg
+
+
+def test_custom_resizer_registration():
+    class WithTable(nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.my_custom_table = nn.Parameter(torch.zeros(n))
+
+    @register_resizer(r'my_custom_table$')
+    def repeat_table(key, src, dst_shape):
+        return src.repeat(dst_shape[0] // src.shape[0]), 'repeated'
+
+    try:
+        model = WithTable(4)
+        report = load_pretrained(model, {'my_custom_table': torch.tensor([1., 2.])}, logger=QUIET)
+        assert model.my_custom_table.tolist() == [1., 2., 1., 2.]
+        assert report.notes['my_custom_table'] == 'repeated'
+        assert ('my_custom_table$', 'repeat_table') in ck.registered_resizers()
+    finally:
+        ck._RESIZERS[:] = [(rx, fn) for rx, fn in ck._RESIZERS if fn is not repeat_table]
+
+
+def test_model_hooks_rename_and_ignore():
+    class Hooked(Tiny):
+        pretrained_ignore_keys = (r'positional_encoding$',)
+
+        def convert_pretrained_state_dict(self, sd):
+            return {k.replace('old_proj.', 'proj.'): v for k, v in sd.items()}
+
+    model = Hooked()
+    sd = random_sd(Tiny(), 10)
+    renamed = {k.replace('proj.', 'old_proj.'): v for k, v in sd.items()}
+    before = model.layers[0].positional_encoding.detach().clone()
+    report = load_pretrained(model, renamed, strict=True, logger=QUIET)
+    assert torch.equal(model.proj.weight.detach(), sd['proj.weight'])
+    assert torch.equal(model.layers[0].positional_encoding.detach(), before)
+    assert 'pretrained_ignore_keys' in report.dropped['layers.0.positional_encoding']
+    assert report.missing == []
+
+
+# ----------------------------------------------------------------------------------------------
+# mismatches and reporting
+# ----------------------------------------------------------------------------------------------
+def test_checkpoint_matching_nothing():
+    model = Tiny()
+    with pytest.raises(CheckpointError, match="matches none of the model's") as info:
+        load_pretrained(model, {'encoder.blocks.0.w': torch.zeros(2)}, logger=QUIET)
+    assert 'encoder.blocks.0.w' in str(info.value) and 'pos_embed' in str(info.value)
+    assert 'prefix' in str(info.value)
+
+
+def test_strict_missing_key_raises_and_loads_nothing():
+    model = Tiny()
+    sd = random_sd(model, 11)
+    del sd['proj.bias']
+    before = model.pos_embed.detach().clone()
+    with pytest.raises(CheckpointError, match='proj.bias'):
+        load_pretrained(model, sd, strict=True, logger=QUIET)
+    assert torch.equal(model.pos_embed.detach(), before)
+
+
+def test_missing_and_unexpected_reported_and_logged(caplog):
+    model = Tiny()
+    sd = random_sd(model, 12)
+    del sd['proj.bias']
+    sd['extra.weight'] = torch.randn(3)
+    logger = logging.getLogger('linattn_test_report')
+    with caplog.at_level(logging.INFO, logger='linattn_test_report'):
+        report = load_pretrained(model, sd, logger=logger)
+    assert isinstance(report, LoadReport)
+    assert report.missing == ['proj.bias'] and report.unexpected == ['extra.weight']
+    assert_loaded(model, {k: v for k, v in sd.items() if k != 'extra.weight'})
+    warnings_logged = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings_logged) == 1
+    text = warnings_logged[0].getMessage()
+    assert 'proj.bias' in text and 'extra.weight' in text and '1 missing' in text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger='linattn_test_report'):
+        load_pretrained(model, random_sd(model, 13), logger=logger)
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
+
+
+# ----------------------------------------------------------------------------------------------
+# safe loading
+# ----------------------------------------------------------------------------------------------
+def test_truncated_and_missing_file(tmp_path):
+    path = save({'model': random_sd(Tiny(), 14)}, tmp_path / 'full.pth')
+    data = open(path, 'rb').read()
+    cut = tmp_path / 'cut.pth'
+    cut.write_bytes(data[:len(data) // 2])
+    with pytest.raises(CheckpointError, match='truncated') as info:
+        safe_load(str(cut))
+    assert 'cut.pth' in str(info.value) and f'{len(data) // 2} bytes' in str(info.value)
+    with pytest.raises(CheckpointError, match='truncated'):
+        load_pretrained(Tiny(), str(cut), logger=QUIET)
+    with pytest.raises(FileNotFoundError, match='nope.pth'):
+        safe_load(str(tmp_path / 'nope.pth'))
+
+
+def _write_marker(path):
+    """Stands for any code a malicious pickle could run."""
+    with open(path, 'w') as f:
+        f.write('pwned')
+    return 'payload ran'
+
+
+class Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return _write_marker, (self.marker,)
+
+
+def test_code_running_pickle_is_refused(tmp_path, monkeypatch):
+    monkeypatch.delenv(ck.UNSAFE_PICKLE_ENV, raising=False)
+    marker = tmp_path / 'marker.txt'
+    sd = random_sd(Tiny(), 15)
+    path = save({'model': sd, 'payload': Evil(str(marker))}, tmp_path / 'evil.pth')
+    glob = f'{_write_marker.__module__}._write_marker'
+    with pytest.raises(CheckpointError) as info:
+        safe_load(path)
+    msg = str(info.value)
+    assert glob in msg and 'allow_unsafe_pickle=True' in msg and ck.UNSAFE_PICKLE_ENV in msg
+    assert 'evil.pth' in msg
+    with pytest.raises(CheckpointError, match='_write_marker'):
+        load_pretrained(Tiny(), path, logger=QUIET)
+    monkeypatch.setenv(ck.UNSAFE_PICKLE_ENV, '1')
+    with pytest.raises(CheckpointError):  # an explicit False beats the environment
+        safe_load(path, allow_unsafe_pickle=False)
+    assert not marker.exists()
+
+    # documented opt-in: the file is trusted, so its pickle runs
+    monkeypatch.delenv(ck.UNSAFE_PICKLE_ENV)
+    with pytest.warns(UnsafePickleWarning):
+        ckpt = safe_load(path, allow_unsafe_pickle=True)
+    assert ckpt['payload'] == 'payload ran' and marker.exists()
+    marker.unlink()
+    monkeypatch.setenv(ck.UNSAFE_PICKLE_ENV, '1')
+    model = Tiny()
+    with pytest.warns(UnsafePickleWarning):
+        load_pretrained(model, path, logger=QUIET)
+    assert marker.exists()
+    assert_loaded(model, sd)
+
+
+@pytest.fixture
+def fake_yacs(monkeypatch):
+    """A throwaway ``yacs.config`` module with a CfgNode dict subclass (like the real one)."""
+    yacs = types.ModuleType('yacs')
+    config = types.ModuleType('yacs.config')
+
+    class CfgNode(dict):
+        def __init__(self, init=None):
+            super().__init__(init or {})
+            self.__dict__['__immutable__'] = False
+            self.__dict__['__new_allowed__'] = False
+
+    CfgNode.__module__ = 'yacs.config'
+    CfgNode.__qualname__ = 'CfgNode'
+    config.CfgNode = CfgNode
+    yacs.config = config
+    monkeypatch.setitem(sys.modules, 'yacs', yacs)
+    monkeypatch.setitem(sys.modules, 'yacs.config', config)
+
+    def remove():
+        monkeypatch.delitem(sys.modules, 'yacs.config')
+        monkeypatch.delitem(sys.modules, 'yacs')
+
+    return CfgNode, remove
+
+
+def test_harmless_objects_load_without_opt_in(tmp_path, monkeypatch, fake_yacs):
+    monkeypatch.delenv(ck.UNSAFE_PICKLE_ENV, raising=False)
+    CfgNode, remove_yacs = fake_yacs
+    cfg = CfgNode({'MODEL': CfgNode({'TYPE': 'polaformer', 'DEPTHS': [2, 2, 6, 2]}),
+                   'TRAIN': CfgNode({'BASE_LR': 5e-4})})
+    sd = random_sd(Tiny(), 16)
+    ckpt = {'model': sd, 'config': cfg, 'epoch': 299,
+            'args': argparse.Namespace(model='deit_tiny', lr=5e-4, input_size=224),
+            'np_array': np.arange(6, dtype=np.float32).reshape(2, 3),
+            'np_int': np.arange(3), 'np_scalar': np.float64(81.5), 'np_i64': np.int64(7)}
+    path = save(ckpt, tmp_path / 'swin_like.pth')
+    remove_yacs()
+    assert 'yacs.config' not in sys.modules
+    out = safe_load(path)
+    assert out['config']['MODEL']['TYPE'] == 'polaformer'
+    assert out['config']['MODEL']['DEPTHS'] == [2, 2, 6, 2]
+    assert out['config']['TRAIN']['BASE_LR'] == 5e-4
+    assert out['args'].model == 'deit_tiny' and out['args'].input_size == 224
+    np.testing.assert_array_equal(out['np_array'], np.arange(6, dtype=np.float32).reshape(2, 3))
+    np.testing.assert_array_equal(out['np_int'], np.arange(3))
+    assert out['np_scalar'] == 81.5 and out['np_i64'] == 7
+    model = Tiny()
+    report = load_pretrained(model, path, logger=QUIET)
+    assert report.source == 'model'
+    assert_loaded(model, sd)
+    # legacy (pre-1.6, non-zip) serialization goes through the same allow-list
+    legacy = tmp_path / 'legacy.pth'
+    torch.save({k: v for k, v in ckpt.items() if k != 'config'}, legacy,
+               _use_new_zipfile_serialization=False)
+    out = safe_load(str(legacy))
+    assert out['args'].lr == 5e-4 and out['np_scalar'] == 81.5
+    assert torch.equal(out['model']['pos_embed'], sd['pos_embed'])
+
+
+def test_mmengine_runner_checkpoint_resumable_with_plain_torch_load(tmp_path):
+    from mmengine.logging import HistoryBuffer, MessageHub
+    hub = MessageHub.get_instance('linattn_ckpt_test')
+    for i in range(3):
+        hub.update_scalar('train/loss', 1.0 / (i + 1))
+    hub.update_info('iter', 3)
+    ckpt = {'meta': {'epoch': 1, 'iter': 3, 'seed': 0, 'mmengine_version': '0.10.7',
+                     'cfg': "model = dict(type='X')"},
+            'state_dict': random_sd(Tiny(), 17), 'message_hub': hub.state_dict(),
+            'optimizer': {'state': {}, 'param_groups': [{'lr': 0.1, 'params': [0, 1]}]}}
+    path = save(ckpt, tmp_path / 'epoch_1.pth')
+    allow_safe_globals()
+    allow_safe_globals()  # idempotent
+    loaded = torch.load(path)  # default weights_only=True, as mmengine's --resume calls it
+    buf = loaded['message_hub']['log_scalars']['train/loss']
+    assert isinstance(buf, HistoryBuffer)
+    np.testing.assert_allclose(buf.data[0], [1.0, 0.5, 1.0 / 3])
+    assert buf.current() == pytest.approx(1.0 / 3)
+    assert buf.statistics('min') == pytest.approx(1.0 / 3)
+
+
+class SneakyGetattr:
+    """Pickles as ``getattr(numpy.ndarray, 'tofile')``: the allow-list's getattr stand-in must
+    refuse it (only HistoryBuffer's own statistics functions may be fetched)."""
+
+    def __reduce__(self):
+        return getattr, (np.ndarray, 'tofile')
+
+
+def test_restricted_getattr_refuses_other_attributes(tmp_path):
+    path = save({'model': {'a': torch.ones(1)}, 'x': SneakyGetattr()}, tmp_path / 'g.pth')
+    with pytest.raises(CheckpointError, match="getattr.*'ndarray'.*'tofile'.*not allowed"):
+        safe_load(path, allow_unsafe_pickle=False)
+    names = allow_safe_globals()
+    for name in ('argparse.Namespace', 'yacs.config.CfgNode', 'numpy.core.multiarray._reconstruct',
+                 'numpy._core.multiarray._reconstruct', 'numpy.core.multiarray.scalar',
+                 'numpy.dtypes.Float64DType', 'mmengine.logging.history_buffer.HistoryBuffer'):
+        assert name in names
+    assert 'builtins.eval' not in names and 'numpy.dtypes.ObjectDType' not in names
+
+
+# ----------------------------------------------------------------------------------------------
+# conversion
+# ----------------------------------------------------------------------------------------------
+def _load_without_allow_list(path):
+    saved = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        assert torch.serialization.get_unsafe_globals_in_checkpoint(path) == []
+        return torch.load(path, weights_only=True)
+    finally:
+        torch.serialization.add_safe_globals(saved)
+
+
+def test_convert_checkpoint_round_trip(tmp_path, fake_yacs):
+    CfgNode, remove_yacs = fake_yacs
+    sd = random_sd(Tiny(), 18)
+    src = save({'model': {**sd, 'head.weight': torch.randn(10, DIM),
+                          'head.bias': torch.randn(10)},
+                'config': CfgNode({'MODEL': CfgNode({'TYPE': 'swin'})}),
+                'args': argparse.Namespace(lr=1.0)}, tmp_path / 'official.pth')
+    remove_yacs()
+    dst = str(tmp_path / 'out' / 'converted.pth')
+    report = convert_checkpoint(src, dst)
+    assert set(report.loaded) == set(sd)
+    assert 'classifier head' in report.dropped['head.weight']
+    out = _load_without_allow_list(dst)
+    assert set(out) == {'state_dict', 'meta'}
+    assert out['meta'] == {'converted_from': 'official.pth', 'source_key': 'model'}
+    assert all(k.startswith('backbone.') for k in out['state_dict'])
+    assert all(type(v) is torch.Tensor for v in out['state_dict'].values())
+    assert set(out['state_dict']) == {'backbone.' + k for k in sd}
+
+    model = Tiny()
+    load_pretrained(model, dst, prefix='backbone.', strict=True, logger=QUIET)
+    assert_loaded(model, sd)
+
+    # stock mmengine `Pretrained(prefix='backbone.')` path (plain torch.load inside)
+    from mmengine.runner.checkpoint import _load_checkpoint_with_prefix
+    saved = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        stock = _load_checkpoint_with_prefix('backbone.', dst)
+    finally:
+        torch.serialization.add_safe_globals(saved)
+    assert torch.equal(stock['pos_embed'], sd['pos_embed'])
+
+    # with a model: resized to its shapes at conversion time
+    dst2 = str(tmp_path / 'converted_6x6.pth')
+    report = convert_checkpoint(src, dst2, model=Tiny(grid=6))
+    assert report.resized['pos_embed'] == ((1, 17, DIM), (1, 37, DIM))
+    out2 = _load_without_allow_list(dst2)
+    assert out2['state_dict']['backbone.pos_embed'].shape == (1, 37, DIM)
+    assert 'backbone.layers.0.attn.relative_position_index' not in out2['state_dict']

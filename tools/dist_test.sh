@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Multi-process testing with torchrun: bash tools/dist_test.sh CONFIG CHECKPOINT NPROC [test.py args]
+set -euo pipefail
+CONFIG=$1
+CHECKPOINT=$2
+NPROC=$3
+shift 3
+PYTHON=${PYTHON:-python}
+exec "$PYTHON" -m torch.distributed.run \
+    --nnodes="${NNODES:-1}" --node_rank="${NODE_RANK:-0}" \
+    --master_addr="${MASTER_ADDR:-127.0.0.1}" --master_port="${PORT:-29500}" \
+    --nproc_per_node="$NPROC" \
+    "$(dirname "$0")/test.py" "$CONFIG" "$CHECKPOINT" --launcher pytorch "$@"

@@ -1,0 +1,81 @@
+"""Test (evaluate) a checkpoint with any mmdet / mmseg / mmpretrain config.
+
+    python tools/test.py CONFIG CHECKPOINT [--work-dir DIR] [--out FILE] [--show-dir DIR]
+                         [--cfg-options k=v ...] [--launcher none|pytorch|slurm|mpi] [--tta]
+
+The metrics are logged by the evaluator and printed as one JSON line starting with
+``linattn_mm metrics:``.
+"""
+import argparse
+import json
+import os
+import os.path as osp
+
+from mmengine.config import Config, DictAction
+
+import linattn_mm  # noqa: F401
+from linattn_mm.runner import apply_launcher_defaults, build_runner
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description='Test a detector, segmentor or classifier')
+    p.add_argument('config', help='config file path')
+    p.add_argument('checkpoint', help='checkpoint file')
+    p.add_argument('--work-dir', help='directory for the evaluation logs')
+    p.add_argument('--out', help='dump predictions to this pickle file (mmdet, mmpretrain) or '
+                   'prediction images to this directory (mmseg)')
+    p.add_argument('--show-dir', help='save drawn predictions under work_dir/timestamp/DIR')
+    p.add_argument('--cfg-options', nargs='+', action=DictAction,
+                   help='override config settings')
+    p.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'], default='none')
+    p.add_argument('--tta', action='store_true', help='test-time augmentation (tta_model and '
+                   'tta_pipeline of the config)')
+    p.add_argument('--local_rank', '--local-rank', type=int, default=0)
+    args = p.parse_args(argv)
+    if 'LOCAL_RANK' not in os.environ:
+        os.environ['LOCAL_RANK'] = str(args.local_rank)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cfg = Config.fromfile(args.config)
+    cfg.launcher = args.launcher
+    if args.cfg_options is not None:
+        cfg.merge_from_dict(args.cfg_options)
+    if args.work_dir is not None:
+        cfg.work_dir = args.work_dir
+    elif cfg.get('work_dir', None) is None:
+        cfg.work_dir = osp.join('./work_dirs', osp.splitext(osp.basename(args.config))[0])
+    cfg.load_from = args.checkpoint
+    scope = cfg.get('default_scope', 'mmdet')
+    if args.show_dir:
+        hook = cfg.default_hooks.get('visualization')
+        if hook is None:
+            raise RuntimeError('the config has no visualization hook for --show-dir')
+        hook['draw'] = True
+        hook['test_out_dir'] = args.show_dir
+    if args.tta:
+        if 'tta_model' not in cfg or 'tta_pipeline' not in cfg:
+            raise RuntimeError('--tta needs tta_model and tta_pipeline in the config')
+        cfg.model = dict(**cfg.tta_model, module=cfg.model)
+        cfg.test_dataloader.dataset.pipeline = cfg.tta_pipeline
+    if args.out:
+        if scope == 'mmseg':
+            cfg.test_evaluator['output_dir'] = args.out
+            cfg.test_evaluator['keep_results'] = True
+        else:
+            evaluators = cfg.test_evaluator if isinstance(cfg.test_evaluator, list) else [
+                cfg.test_evaluator]
+            cfg.test_evaluator = evaluators + [dict(type='DumpResults', out_file_path=args.out)]
+    apply_launcher_defaults(cfg)
+    runner = build_runner(cfg)
+    metrics = runner.test()
+    if runner.rank == 0:
+        print('linattn_mm metrics: ' + json.dumps(
+            {k: (float(v) if isinstance(v, (int, float)) else str(v))
+             for k, v in (metrics or {}).items()}, sort_keys=True), flush=True)
+
+
+if __name__ == '__main__':
+    main()
