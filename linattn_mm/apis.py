@@ -81,12 +81,12 @@ def get_model(name, pretrained=None, device=None, allow_unsafe_pickle=None, **kw
     """
     import linattn_mm  # noqa: F401  (registration)
     import importlib
+    from mmengine.config import ConfigDict
     from mmengine.registry import DefaultScope
 
     from linattn_mm.checkpoint import extract_state_dict, load_pretrained, safe_load
     cfg = get_config(name)
-    model_cfg = _merge(copy.deepcopy(cfg.model.to_dict() if hasattr(cfg.model, 'to_dict')
-                                     else dict(cfg.model)), kwargs)
+    model_cfg = ConfigDict(_merge(cfg.model.to_dict(), copy.deepcopy(kwargs)))
     scope = cfg.get('default_scope', 'mmpretrain')
     if scope not in SCOPE_REGISTRIES:
         raise ValueError(f'config {name!r} has default_scope {scope!r}; expected one of '

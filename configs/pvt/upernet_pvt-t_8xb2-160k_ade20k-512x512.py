@@ -1,0 +1,23 @@
+# UperNet, 160k iterations on ADE20K with a PVT-T backbone (Swin recipe: AdamW lr 6e-5, wd 0.01,
+# linear warm-up 1500 iterations, poly decay, batch 2 x 8 GPUs).
+_base_ = [
+    'mmseg::swin/swin-tiny-patch4-window7-in1k-pre_upernet_8xb2-160k_ade20k-512x512.py',
+    '../_base_/linattn_no_decay.py'
+]
+custom_imports = dict(imports=['linattn_mm'], allow_failed_imports=False)
+pretrained = 'https://github.com/whai362/PVT/releases/download/v2/pvt_tiny.pth'  # official ImageNet-1k weights
+model = dict(
+    backbone=dict(
+        _delete_=True,
+        type='LinAttnPVT',
+        arch='t',
+        drop_path_rate=0.1,
+        out_indices=(0, 1, 2, 3),
+        init_cfg=dict(type='Pretrained', checkpoint=pretrained)),
+    decode_head=dict(in_channels=[64, 128, 320, 512]),
+    auxiliary_head=dict(in_channels=320))
+optim_wrapper = dict(
+    _delete_=True,
+    type='OptimWrapper',
+    optimizer=dict(type='AdamW', lr=6e-5, betas=(0.9, 0.999), weight_decay=0.01),
+    paramwise_cfg={{_base_.linattn_no_decay}})

@@ -1,0 +1,3 @@
+# swin-s ImageNet-1k classifier (same recipe as swin-t).
+_base_ = ['./swin-t_in1k.py']
+model = dict(backbone=dict(arch='s', drop_path_rate=0.3), head=dict(in_channels=768))
