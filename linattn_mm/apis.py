@@ -102,12 +102,45 @@ def get_model(name, pretrained=None, device=None, allow_unsafe_pickle=None, **kw
     model.init_weights()
     if pretrained is not None:
         ckpt = safe_load(pretrained, allow_unsafe_pickle=allow_unsafe_pickle)
-        state, _ = extract_state_dict(ckpt)
+        state, source = extract_state_dict(ckpt)
         whole = any(k.startswith(('backbone.', 'module.backbone.')) for k in state)
-        target = model if whole or not hasattr(model, 'backbone') else model.backbone
-        model.load_report = load_pretrained(target, ckpt, prefix=None,
-                                            allow_unsafe_pickle=allow_unsafe_pickle)
+        if whole or not hasattr(model, 'backbone'):
+            model.load_report = load_pretrained(model, ckpt, prefix=None,
+                                                allow_unsafe_pickle=allow_unsafe_pickle)
+        else:
+            model.load_report = load_pretrained(model.backbone, ckpt, prefix=None,
+                                                allow_unsafe_pickle=allow_unsafe_pickle)
+            _load_official_head(model, state)
     if device is not None:
         model.to(device)
     model.eval()
     return model
+
+
+def _load_official_head(model, state):
+    """Official classification files keep the linear classifier as ``head.weight``/``head.bias``;
+    mmpretrain's ``LinearClsHead`` / ``VisionTransformerClsHead`` call it ``head.fc`` /
+    ``head.layers.head``. Copy it when the shapes agree, so the classifier's logits are the official
+    model's."""
+    import torch
+    head = getattr(model, 'head', None)
+    if head is None or 'head.weight' not in state:
+        return
+    linear = getattr(head, 'fc', None)
+    if linear is None and hasattr(head, 'layers'):
+        linear = getattr(head.layers, 'head', None)
+    if not isinstance(linear, torch.nn.Linear):
+        return
+    w, b = state['head.weight'], state.get('head.bias')
+    if tuple(w.shape) != tuple(linear.weight.shape):
+        model.load_report.notes['head.weight'] = (
+            f'classifier head not loaded: checkpoint {tuple(w.shape)} vs model '
+            f'{tuple(linear.weight.shape)}')
+        return
+    with torch.no_grad():
+        linear.weight.copy_(w)
+        if b is not None and linear.bias is not None:
+            linear.bias.copy_(b)
+    for k in ('head.weight', 'head.bias'):
+        model.load_report.dropped.pop(k, None)
+        model.load_report.loaded.append(k)

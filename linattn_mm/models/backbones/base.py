@@ -107,6 +107,13 @@ class LinAttnBackbone(BaseModule):
         reports missing and unexpected keys."""
         self.apply(init_transformer_weights)
         pre = self._pretrained_cfg()
+        if pre is not None:
+            unknown = set(pre) - {'type', 'checkpoint', 'prefix', 'map_location',
+                                  'allow_unsafe_pickle', 'prefer_ema', 'strict'}
+            if unknown:
+                raise KeyError(f'unknown Pretrained init_cfg option(s) {sorted(unknown)}; valid: '
+                               'checkpoint, prefix, map_location, allow_unsafe_pickle, '
+                               'prefer_ema, strict')
         saved = self.init_cfg
         if pre is not None:
             rest = [c for c in (saved if isinstance(saved, (list, tuple)) else [saved])
@@ -119,12 +126,6 @@ class LinAttnBackbone(BaseModule):
         if pre is None:
             return
         from linattn_mm.checkpoint import load_pretrained
-        unknown = set(pre) - {'type', 'checkpoint', 'prefix', 'map_location',
-                              'allow_unsafe_pickle', 'prefer_ema', 'strict'}
-        if unknown:
-            raise KeyError(f'unknown Pretrained init_cfg option(s) {sorted(unknown)}; valid: '
-                           'checkpoint, prefix, map_location, allow_unsafe_pickle, prefer_ema, '
-                           'strict')
         self.pretrained_load_report = load_pretrained(
             self, pre['checkpoint'], prefix=pre.get('prefix'),
             map_location=pre.get('map_location', 'cpu'),

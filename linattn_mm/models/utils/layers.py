@@ -85,6 +85,8 @@ class TransformerBlock(nn.Module):
     def __init__(self, embed_dims, num_heads, attn_cfg, mlp_ratio=4., drop_path=0., drop_rate=0.,
                  dwconv_mlp=False, with_cp=False, **context):
         super().__init__()
+        if dwconv_mlp and context.get('num_extra_tokens'):
+            raise ValueError('a depth-wise conv FFN cannot take class tokens')
         self.norm1 = nn.LayerNorm(embed_dims)
         self.attn = build_attention(attn_cfg, embed_dims=embed_dims, num_heads=num_heads,
                                     proj_drop=drop_rate, **context)
@@ -95,8 +97,6 @@ class TransformerBlock(nn.Module):
 
     def _forward(self, x, hw_shape):
         x = x + self.drop_path(self.attn(self.norm1(x), hw_shape))
-        if self.mlp.dwconv is not None and self.attn.num_extra_tokens:
-            raise ValueError('a depth-wise conv FFN cannot take class tokens')
         return x + self.drop_path(self.mlp(self.norm2(x), hw_shape))
 
     def forward(self, x, hw_shape):

@@ -1,0 +1,98 @@
+"""Shared helpers: demo data, running the tools, short-run options for any demo config."""
+import json
+import os
+import os.path as osp
+import runpy
+import subprocess
+import sys
+
+import pytest
+
+REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
+CONFIGS = osp.join(REPO, 'configs')
+
+
+@pytest.fixture(scope='session')
+def demo_data():
+    """The demo data under the repository's data/demo (the demo configs' standard data root)."""
+    from linattn_mm.demo_data import make_demo_data
+    return make_demo_data(osp.join(REPO, 'data', 'demo'), progress=False)
+
+
+def run_tool(args, cwd=REPO, timeout=900):
+    """Run a tool script in a subprocess; return its output (asserting success)."""
+    env = dict(os.environ, PYTHONUNBUFFERED='1')
+    res = subprocess.run([sys.executable] + args, cwd=cwd, capture_output=True, text=True,
+                         env=env, timeout=timeout)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-5000:]
+    return out
+
+
+def metrics_of(out):
+    """The metrics dict printed by tools/test.py."""
+    line = [ln for ln in out.splitlines() if ln.startswith('linattn_mm metrics: ')][-1]
+    return json.loads(line[len('linattn_mm metrics: '):])
+
+
+def _dataset_path(loader_cfg, key):
+    ds, path = loader_cfg['dataset'], f'{key}.dataset'
+    while ds.get('type') in ('RepeatDataset', 'ClassBalancedDataset', 'ConcatDataset') and \
+            'dataset' in ds:
+        ds, path = ds['dataset'], path + '.dataset'
+    return path
+
+
+def short_run_options(cfg):
+    """cfg-options for one training iteration on 2 images and evaluation on 2 images, plus the
+    metric keys tools/test.py must report, for any mmdet / mmseg / mmpretrain config."""
+    scope = cfg.get('default_scope')
+    train = [f'{_dataset_path(cfg.train_dataloader, "train_dataloader")}.indices=2',
+             'train_dataloader.batch_size=2', 'train_cfg.val_interval=1',
+             f'{_dataset_path(cfg.val_dataloader, "val_dataloader")}.indices=2']
+    train.append('train_cfg.max_epochs=1' if 'max_epochs' in cfg.train_cfg else
+                 'train_cfg.max_iters=1')
+    test = [f'{_dataset_path(cfg.test_dataloader, "test_dataloader")}.indices=2']
+    if scope == 'mmdet':
+        tc = cfg.model.get('test_cfg', {})
+        thr = 'model.test_cfg.rcnn.score_thr=0.0' if 'rcnn' in tc else 'model.test_cfg.score_thr=0.0'
+        train.append(thr)
+        test.append(thr)
+        metric = cfg.test_evaluator.get('metric', 'bbox')
+        metric = [metric] if isinstance(metric, str) else list(metric)
+        keys = [f'coco/{m}_mAP' for m in metric]
+    elif scope == 'mmseg':
+        keys = ['mIoU', 'aAcc']
+    elif scope == 'mmpretrain':
+        keys = ['accuracy/top1']
+    else:
+        raise ValueError(f'unexpected default_scope {scope!r}')
+    return train, test, keys
+
+
+_TOOLS = {}
+
+
+def tool_main(name):
+    if name not in _TOOLS:
+        _TOOLS[name] = runpy.run_path(osp.join(REPO, 'tools', f'{name}.py'),
+                                      run_name=f'linattn_tool_{name}')['main']
+    return _TOOLS[name]
+
+
+def train_and_test_inprocess(config, work_dir):
+    """tools/train.py then tools/test.py (their main functions, in this process) for a short run.
+    Returns the test metrics."""
+    from mmengine.config import Config
+    cfg = Config.fromfile(config)
+    train_opts, test_opts, keys = short_run_options(cfg)
+    tool_main('train')([config, '--work-dir', work_dir, '--cfg-options'] + train_opts)
+    with open(osp.join(work_dir, 'last_checkpoint')) as f:
+        ckpt = f.read().strip()
+    import io
+    from contextlib import redirect_stdout
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        tool_main('test')([config, ckpt, '--work-dir', work_dir, '--cfg-options'] + test_opts)
+    metrics = metrics_of(buf.getvalue())
+    return metrics, keys
