@@ -8,6 +8,7 @@ The metrics are logged by the evaluator and printed as one JSON line starting wi
 """
 import argparse
 import json
+import numbers
 import os
 import os.path as osp
 
@@ -73,7 +74,7 @@ def main(argv=None):
     metrics = runner.test()
     if runner.rank == 0:
         print('linattn_mm metrics: ' + json.dumps(
-            {k: (float(v) if isinstance(v, (int, float)) else str(v))
+            {k: (float(v) if isinstance(v, numbers.Real) else str(v))
              for k, v in (metrics or {}).items()}, sort_keys=True), flush=True)
 
 

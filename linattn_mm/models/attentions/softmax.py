@@ -98,7 +98,8 @@ class WindowSoftmaxAttention(BaseTokenMixer):
     """Swin (shifted) window attention with relative position bias, on a full token grid.
 
     The grid is padded at the bottom/right to a multiple of ``window_size`` (any H×W works), cyclically
-    shifted for SW-MSA blocks, split into windows, and cropped back afterwards.
+    shifted for SW-MSA blocks, split into windows, and cropped back afterwards. A map that fits in
+    one window is not shifted (as the official Swin, e.g. stage 4 at 224×224).
 
     Args:
         embed_dims (int): channels.
@@ -141,6 +142,8 @@ class WindowSoftmaxAttention(BaseTokenMixer):
         B, N, C = x.shape
         H, W = hw_shape
         ws, s = self.window_size, self.shift_size
+        if H <= ws and W <= ws:
+            s = 0  # one window holds the whole map: no shift (as the official Swin)
         x = x.view(B, H, W, C)
         pad_b, pad_r = (-H) % ws, (-W) % ws
         if pad_b or pad_r:

@@ -9,6 +9,8 @@ import torch.nn as nn
 from mmengine.model import BaseModule
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from linattn_mm.models.attentions.base import BaseTokenMixer
+
 
 def resolve_arch(cls_name, arch_zoo, arch, required_keys):
     """Return the arch settings for ``arch`` (a zoo name or a dict of settings)."""
@@ -123,6 +125,12 @@ class LinAttnBackbone(BaseModule):
             super().init_weights()
         finally:
             self.init_cfg = saved
+        # mmengine only recurses through BaseModule children; token mixers sit inside plain
+        # ModuleLists, so run their own (official) initialisation here.
+        for m in self.modules():
+            if isinstance(m, BaseTokenMixer) and \
+                    type(m).init_weights is not BaseModule.init_weights:
+                m.init_weights()
         if pre is None:
             return
         from linattn_mm.checkpoint import load_pretrained

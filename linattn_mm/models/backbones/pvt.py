@@ -27,8 +27,8 @@ class _PVTBase(LinAttnBackbone):
 
     def __init__(self, arch, in_channels=3, pretrain_img_size=224, attn_cfg=None,
                  out_indices=(0, 1, 2, 3), qkv_bias=True, drop_rate=0., drop_path_rate=0.1,
-                 with_cp=False, frozen_stages=-1, norm_eval=False, pretrained=None,
-                 init_cfg=None):
+                 with_cp=False, norm_eps=1e-6, frozen_stages=-1, norm_eval=False,
+                 pretrained=None, init_cfg=None):
         super().__init__(init_cfg, pretrained, frozen_stages, norm_eval)
         name = type(self).__name__
         a = resolve_arch(name, self.arch_zoo, arch, _PVT_KEYS)
@@ -48,7 +48,8 @@ class _PVTBase(LinAttnBackbone):
             k, s, p = self.patch_geometry(i)
             stride *= s
             self.strides.append(stride)
-            setattr(self, f'patch_embed{i + 1}', PatchEmbed(prev, a['embed_dims'][i], k, s, p))
+            setattr(self, f'patch_embed{i + 1}', PatchEmbed(prev, a['embed_dims'][i], k, s, p,
+                                                                norm_eps=norm_eps))
             pre_hw = (pretrain_img_size // stride, pretrain_img_size // stride)
             if self.version == 1:
                 setattr(self, f'pos_embed{i + 1}',
@@ -57,10 +58,11 @@ class _PVTBase(LinAttnBackbone):
                 a['depths'][i], dpr[i], embed_dims=a['embed_dims'][i],
                 num_heads=a['num_heads'][i], attn_cfg=attn_cfgs[i], mlp_ratio=a['mlp_ratios'][i],
                 drop_rate=drop_rate, dwconv_mlp=self.version == 2, with_cp=with_cp,
+                norm_eps=norm_eps,
                 sr_ratio=a['sr_ratios'][i], qkv_bias=qkv_bias, pretrain_hw=pre_hw,
                 stage_idx=i))
             if self.version == 2:
-                setattr(self, f'norm{i + 1}', nn.LayerNorm(a['embed_dims'][i]))
+                setattr(self, f'norm{i + 1}', nn.LayerNorm(a['embed_dims'][i], eps=norm_eps))
             prev = a['embed_dims'][i]
         self.pos_drop = nn.Dropout(drop_rate)
         self._freeze_stages()
@@ -133,6 +135,7 @@ class LinAttnPVT(_PVTBase):
         out_indices (tuple[int]): stages whose (NCHW) outputs are returned.
         qkv_bias (bool), drop_rate (float), drop_path_rate (float): as in PVT.
         with_cp (bool): gradient checkpointing per block.
+        norm_eps (float): LayerNorm epsilon; 1e-6 as in the official PVT code.
         frozen_stages (int): stages (from the first) with frozen weights; -1 freezes nothing.
         norm_eval (bool): keep BatchNorm layers in eval mode while training.
         pretrained (str, deprecated) / init_cfg (dict): ``dict(type='Pretrained', checkpoint=…)``

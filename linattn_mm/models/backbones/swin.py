@@ -48,6 +48,7 @@ class LinAttnSwin(LinAttnBackbone):
         mlp_ratio (float): FFN ratio. Default 4.
         use_abs_pos_embed (bool): learnable absolute position embedding after the stem.
         out_indices (tuple[int]): stages whose outputs are returned (each through ``norm{i}``).
+        norm_eps (float): LayerNorm epsilon (1e-5 as in the official Swin code).
         qkv_bias, drop_rate, drop_path_rate, with_cp, frozen_stages, norm_eval, pretrained,
         init_cfg: see :class:`~linattn_mm.models.backbones.LinAttnPVT`.
 
@@ -65,7 +66,7 @@ class LinAttnSwin(LinAttnBackbone):
 
     def __init__(self, arch='t', in_channels=3, pretrain_img_size=224, patch_size=4, attn_cfg=None,
                  mlp_ratio=4., use_abs_pos_embed=False, out_indices=(0, 1, 2, 3), qkv_bias=True,
-                 drop_rate=0., drop_path_rate=0.1, with_cp=False, frozen_stages=-1,
+                 drop_rate=0., drop_path_rate=0.1, with_cp=False, norm_eps=1e-5, frozen_stages=-1,
                  norm_eval=False, pretrained=None, init_cfg=None):
         super().__init__(init_cfg, pretrained, frozen_stages, norm_eval)
         name = type(self).__name__
@@ -97,9 +98,10 @@ class LinAttnSwin(LinAttnBackbone):
                 downsample_dims=self.num_features[i + 1] if i < self.num_stages - 1 else None,
                 embed_dims=self.num_features[i], num_heads=a['num_heads'][i],
                 attn_cfg=attn_cfgs[i], mlp_ratio=mlp_ratio, drop_rate=drop_rate,
-                with_cp=with_cp, qkv_bias=qkv_bias, pretrain_hw=(side, side), stage_idx=i))
+                with_cp=with_cp, norm_eps=norm_eps, qkv_bias=qkv_bias, pretrain_hw=(side, side),
+                stage_idx=i))
         for i in out_indices:
-            self.add_module(f'norm{i}', nn.LayerNorm(self.num_features[i]))
+            self.add_module(f'norm{i}', nn.LayerNorm(self.num_features[i], eps=norm_eps))
         self._freeze_stages()
 
     def convert_pretrained_state_dict(self, state_dict):

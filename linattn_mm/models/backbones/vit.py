@@ -37,6 +37,7 @@ class LinAttnViT(LinAttnBackbone):
             tokens (B, C) (classification).
         out_indices (tuple[int]): blocks feeding the pyramid levels (4 entries, shallow to deep).
             Default: the last block of each quarter of the depth.
+        norm_eps (float): LayerNorm epsilon (1e-6 as in the official DeiT code).
         mlp_ratio, qkv_bias, drop_rate, drop_path_rate, with_cp, frozen_stages (number of blocks),
         norm_eval, pretrained, init_cfg: as the other skeletons.
     """
@@ -52,7 +53,7 @@ class LinAttnViT(LinAttnBackbone):
     def __init__(self, arch='t', in_channels=3, pretrain_img_size=224, patch_size=16,
                  attn_cfg=None, with_cls_token=True, out_type='featmap', out_indices=None,
                  mlp_ratio=4., qkv_bias=True, drop_rate=0., drop_path_rate=0.1, with_cp=False,
-                 frozen_stages=-1, norm_eval=False, pretrained=None, init_cfg=None):
+                 norm_eps=1e-6, frozen_stages=-1, norm_eval=False, pretrained=None, init_cfg=None):
         super().__init__(init_cfg, pretrained, frozen_stages, norm_eval)
         name = type(self).__name__
         a = resolve_arch(name, self.arch_zoo, arch, _VIT_KEYS)
@@ -87,8 +88,9 @@ class LinAttnViT(LinAttnBackbone):
             depth, drop_path_rates(drop_path_rate, [depth])[0], embed_dims=C,
             num_heads=a['num_heads'], attn_cfg=attn_cfg or self.default_attn_cfg,
             mlp_ratio=mlp_ratio, drop_rate=drop_rate, with_cp=with_cp, qkv_bias=qkv_bias,
+            norm_eps=norm_eps,
             num_extra_tokens=self.num_extra_tokens, pretrain_hw=self.pretrain_hw, stage_idx=0)
-        self.norm = nn.LayerNorm(C)
+        self.norm = nn.LayerNorm(C, eps=norm_eps)
         if out_type == 'featmap':
             self.fpn1 = nn.Sequential(
                 nn.ConvTranspose2d(C, C, 2, 2), ChannelLayerNorm(C), nn.GELU(),

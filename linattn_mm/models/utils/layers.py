@@ -79,19 +79,20 @@ class TransformerBlock(nn.Module):
         drop_rate (float): dropout in FFN/projection.
         dwconv_mlp (bool): PVTv2 FFN.
         with_cp (bool): gradient checkpointing of this block.
+        norm_eps (float): LayerNorm epsilon (official PVT/DeiT: 1e-6, Swin: 1e-5).
         context (dict): extra context for the token mixer (block_idx, pretrain_hw, ...).
     """
 
     def __init__(self, embed_dims, num_heads, attn_cfg, mlp_ratio=4., drop_path=0., drop_rate=0.,
-                 dwconv_mlp=False, with_cp=False, **context):
+                 dwconv_mlp=False, with_cp=False, norm_eps=1e-6, **context):
         super().__init__()
         if dwconv_mlp and context.get('num_extra_tokens'):
             raise ValueError('a depth-wise conv FFN cannot take class tokens')
-        self.norm1 = nn.LayerNorm(embed_dims)
+        self.norm1 = nn.LayerNorm(embed_dims, eps=norm_eps)
         self.attn = build_attention(attn_cfg, embed_dims=embed_dims, num_heads=num_heads,
                                     proj_drop=drop_rate, **context)
         self.drop_path = DropPath(drop_path)
-        self.norm2 = nn.LayerNorm(embed_dims)
+        self.norm2 = nn.LayerNorm(embed_dims, eps=norm_eps)
         self.mlp = Mlp(embed_dims, int(embed_dims * mlp_ratio), drop_rate, dwconv_mlp)
         self.with_cp = with_cp
 
@@ -113,12 +114,13 @@ class PatchEmbed(nn.Module):
     ones (PVTv2: kernel 7 stride 4 pad 3, kernel 3 stride 2 pad 1) give the same grid through padding.
     """
 
-    def __init__(self, in_channels, embed_dims, kernel_size, stride, padding=0, norm=True):
+    def __init__(self, in_channels, embed_dims, kernel_size, stride, padding=0, norm=True,
+                 norm_eps=1e-5):
         super().__init__()
         self.stride = stride
         self.kernel_size = kernel_size
         self.proj = nn.Conv2d(in_channels, embed_dims, kernel_size, stride, padding)
-        self.norm = nn.LayerNorm(embed_dims) if norm else None
+        self.norm = nn.LayerNorm(embed_dims, eps=norm_eps) if norm else None
 
     def forward(self, x):
         """(B, C, H, W) -> tokens (B, N, C'), hw_shape."""
