@@ -1,6 +1,6 @@
 from .base import BaseTokenMixer, build_attention, list_attentions
 from .softmax import GlobalSoftmaxAttention, SRSoftmaxAttention, WindowSoftmaxAttention
-from . import pola  # noqa: F401,E402  (linear families register themselves)
+from . import nala, pola  # noqa: F401,E402  (linear families register themselves)
 
 __all__ = ['BaseTokenMixer', 'build_attention', 'list_attentions', 'GlobalSoftmaxAttention',
            'SRSoftmaxAttention', 'WindowSoftmaxAttention']

@@ -2,5 +2,6 @@ from .base import LinAttnBackbone
 from .pvt import LinAttnPVT, LinAttnPVTv2
 from .swin import LinAttnSwin
 from .vit import LinAttnViT
+from . import nalaformer  # noqa: F401,E402  (native NaLaFormer hierarchy)
 
 __all__ = ['LinAttnBackbone', 'LinAttnPVT', 'LinAttnPVTv2', 'LinAttnSwin', 'LinAttnViT']

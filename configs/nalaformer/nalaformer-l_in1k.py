@@ -1,0 +1,3 @@
+# NaLaFormer-L ImageNet-1k classifier (same paper recipe as nalaformer-t_in1k; drop path 0.55).
+_base_ = ['./nalaformer-t_in1k.py']
+model = dict(backbone=dict(arch='l', drop_path_rate=0.55))

@@ -1,0 +1,313 @@
+"""NaLaFormer norm-aware linear attention (Meng et al., arXiv 2506.21137) and the gated softmax
+block of the released NaLaFormer hierarchy.
+
+The default computation is the one of the official code (``ZacharyMeng/NaLaFormer``,
+``NaLaformer/NALA.py``); parameter names are the official ones (``qkvg``, ``lepe``, ``ln``,
+``out_proj``), so official checkpoints load with unchanged keys. Per head, with ``d = C / h``,
+``lam = 3`` and ``eps = 1e-6``::
+
+    q, k, v, g = qkvg(x).chunk(4)                     # float32 from here on
+    k     = k ** lam                                  # sign kept, key norm kept
+    qn    = ||q||_2                                   # per token
+    p     = lam * (0.5 + tanh(qn))                    # per-token power in [1.5, 4.5)
+    phi_q = [relu(q / qn) ** p ; relu(-q / qn) ** p]  # (N, 2d), non-negative
+    phi_k = [relu(k) ; relu(-k)]                      # (N, 2d), non-negative
+    z     = 1 / (phi_q . mean_j(phi_k) + eps)         # denominator: unrotated features
+    out   = R(phi_q) (R(phi_k)^T v) / N * z           # numerator: 2-D RoPE R on both halves
+    out   = LN(out + LePE(v)) * SiLU(g)               # LePE: 5x5 depth-wise conv on v
+    out   = out_proj(out)
+
+``phi_q . phi_k`` keeps the products of same-signed dimensions of ``d(q)`` and ``k^3`` and drops the
+opposite-signed ones (the code's reading of the paper's "cosine inhibit").
+
+Paper vs. official code, and what this module does:
+
+1. **Kernel.** The paper (Eq. 12-17, App. A.2) maps each direction element with
+   ``f(x) = pi/4 * tanh(x)`` and uses ``phi_q = |d(q)|^p(||q||) * [cos f(d(q)); sin f(d(q))]`` and
+   ``phi_k = |k|^lam * [cos f(d(k)); sin f(d(k))]``, so that
+   ``phi_q . phi_k = sum_i |d(q)_i|^p |k_i|^lam cos(f(d(q)_i) - f(d(k)_i)) >= 0``.
+   The code uses the ReLU sign split above. Default ``kernel='official'``; ``kernel='paper'`` gives
+   the cos/sin kernel (same parameters, different function: weights are not interchangeable).
+2. **RoPE.** The code rotates the numerator features with a 2-D RoPE (RMT/MLLA style, ``d``
+   divisible by 4) and keeps the denominator unrotated; the paper has no RoPE (it names CPE as
+   position encoding). Default ``use_rope=True``.
+3. **Block extras.** LePE (5x5 depth-wise conv on ``v``), LayerNorm then SiLU gate (the paper's
+   "simplified GLA" block) and the output projection are in both.
+4. **Zero-norm query.** The code divides by ``||q||`` without an epsilon (NaN for ``q = 0``); here
+   the divisor is clamped at ``1e-12`` (``d(0) = 0``: the token's output is its LePE/gate term).
+
+Precision: everything between the ``qkvg`` projection and ``out_proj`` (LePE, kernel, matmuls,
+LayerNorm and gate) runs in float32 with autocast disabled, as the official code (``k^3`` and the
+powers overflow fp16); float64 inputs are computed in float64.
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from linattn_mm.registry import ATTENTIONS
+from .base import BaseTokenMixer
+
+__all__ = ['RoPE2d', 'apply_rope', 'NormAwareLinearAttention', 'NaLaSoftmaxAttention']
+
+
+def _rotate_every_two(x):
+    """Pairs ``(x[2i], x[2i+1]) -> (-x[2i+1], x[2i])`` along the last dim."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def apply_rope(x, sin, cos):
+    """Rotate consecutive channel pairs of ``x`` (..., N, D) by the angles in ``sin``/``cos``
+    (N, d); ``D`` may be a multiple of ``d`` (the same rotation is applied to each chunk of ``d``
+    channels, e.g. the two halves of NaLa's 2d features)."""
+    rep = x.shape[-1] // sin.shape[-1]
+    if rep != 1:
+        sin, cos = sin.repeat(1, rep), cos.repeat(1, rep)
+    return x * cos + _rotate_every_two(x) * sin
+
+
+class RoPE2d(nn.Module):
+    """2-D rotary position embedding of the RMT / NaLaFormer code.
+
+    For a head size ``d`` (divisible by 4) it keeps ``angle = 1 / base ** linspace(0, 1, d / 4)``
+    with each value repeated twice (``d / 2`` entries). On an ``H x W`` grid the first ``d / 2``
+    channels of a token at ``(y, x)`` are rotated pairwise by ``y * angle`` and the last ``d / 2``
+    by ``x * angle``; any grid size works.
+
+    Args:
+        head_dims (int): channels per head ``d``.
+        base (float): frequency base. Defaults to 10000.
+        persistent (bool): keep ``angle`` in the state dict (the official hierarchy does, as
+            ``layers.{i}.RoPE.angle``). Defaults to True.
+    """
+
+    def __init__(self, head_dims, base=10000., persistent=True):
+        super().__init__()
+        if head_dims % 4:
+            raise ValueError(f'RoPE2d needs head_dims divisible by 4, got {head_dims}')
+        self.head_dims = head_dims
+        angle = 1.0 / (base ** torch.linspace(0, 1, head_dims // 4))
+        self.register_buffer('angle', angle.repeat_interleave(2), persistent=persistent)
+
+    def forward(self, hw_shape):
+        """Return ``(sin, cos)``, each ``(H * W, d)``, in the dtype of ``angle``."""
+        H, W = hw_shape
+        angle = self.angle
+        th = torch.arange(H, device=angle.device, dtype=angle.dtype)[:, None] * angle
+        tw = torch.arange(W, device=angle.device, dtype=angle.dtype)[:, None] * angle
+        theta = torch.cat([th[:, None, :].expand(H, W, -1), tw[None, :, :].expand(H, W, -1)], -1)
+        theta = theta.reshape(H * W, -1)
+        return theta.sin(), theta.cos()
+
+    def extra_repr(self):
+        return f'head_dims={self.head_dims}'
+
+
+def _core_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _no_autocast(device):
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
+class _NaLaBlockMixin(BaseTokenMixer):
+    """Shared parameters of NaLaFormer's attention blocks (keys ``qkvg``, ``lepe``, ``ln``,
+    ``out_proj``) and the gated output."""
+    supports_extra_tokens = False
+
+    def _build_common(self, embed_dims, qkv_bias, lepe_kernel_size, proj_drop, use_rope,
+                      rope_base):
+        if lepe_kernel_size % 2 != 1:
+            raise ValueError(f'lepe_kernel_size must be odd, got {lepe_kernel_size}')
+        self.qkvg = nn.Linear(embed_dims, embed_dims * 4, bias=qkv_bias)
+        self.lepe = nn.Conv2d(embed_dims, embed_dims, lepe_kernel_size, 1, lepe_kernel_size // 2,
+                              groups=embed_dims)
+        self.act = nn.SiLU()
+        self.ln = nn.LayerNorm(embed_dims)
+        self.out_proj = nn.Linear(embed_dims, embed_dims)
+        self.proj_drop = nn.Dropout(proj_drop)
+        self.use_rope = bool(use_rope)
+        # own RoPE (non-persistent: no state-dict key) for skeletons that do not pass one
+        self.rotary = RoPE2d(self.head_dims, rope_base, persistent=False) if use_rope else None
+
+    def init_weights(self):
+        """Official NaLaFormer init of the mixer's own conv and norm (LePE truncated normal with
+        std 0.02 and zero bias, LayerNorm ones/zeros); the linear layers keep the host's init
+        (the native hierarchy: PyTorch default, as the official code; Swin/PVT skeletons: their
+        truncated normal). An ``init_cfg`` replaces this."""
+        if self.init_cfg is not None:
+            super().init_weights()
+            return
+        nn.init.trunc_normal_(self.lepe.weight, std=.02)
+        if self.lepe.bias is not None:
+            nn.init.zeros_(self.lepe.bias)
+        nn.init.ones_(self.ln.weight)
+        nn.init.zeros_(self.ln.bias)
+
+    def _project(self, x, hw_shape):
+        """Tokens -> q, k, v (B, h, N, d), g (B, N, C) and LePE(v) (B, N, C) in the core dtype."""
+        B, N, C = x.shape
+        H, W = hw_shape
+        h, d = self.num_heads, self.head_dims
+        qkvg = self.qkvg(x).to(_core_dtype(x.dtype)).view(B, N, 4, C)
+        q, k, v, g = qkvg.unbind(2)
+        with _no_autocast(x.device):
+            lepe = F.conv2d(v.transpose(1, 2).reshape(B, C, H, W),
+                            self.lepe.weight.to(v.dtype),
+                            None if self.lepe.bias is None else self.lepe.bias.to(v.dtype),
+                            1, self.lepe.padding, 1, C).flatten(2).transpose(1, 2)
+        q, k, v = (t.reshape(B, N, h, d).transpose(1, 2) for t in (q, k, v))
+        return q, k, v, g, lepe
+
+    def _rope(self, hw_shape, rope, dtype, device):
+        if not self.use_rope:
+            return None, None
+        if rope is None:
+            rope = self.rotary(hw_shape)
+        sin, cos = rope
+        return sin.to(device=device, dtype=dtype), cos.to(device=device, dtype=dtype)
+
+    def _gate(self, out, lepe, g):
+        """(B, h, N, d) core output -> ``LN(out + lepe) * SiLU(g)`` (B, N, C), in the core
+        dtype."""
+        B, h, N, d = out.shape
+        out = out.transpose(1, 2).reshape(B, N, h * d) + lepe
+        out = F.layer_norm(out, (h * d, ), self.ln.weight.to(out.dtype), self.ln.bias.to(out.dtype),
+                           self.ln.eps)
+        return out * self.act(g)
+
+    def _output(self, y):
+        """``out_proj`` (autocast applies here again) and dropout."""
+        if not torch.is_autocast_enabled(y.device.type):
+            y = y.to(self.out_proj.weight.dtype)
+        return self.proj_drop(self.out_proj(y))
+
+
+@ATTENTIONS.register_module()
+class NormAwareLinearAttention(_NaLaBlockMixin):
+    """Norm-aware linear attention (NaLa) of NaLaFormer.
+
+    A global, linear-complexity token mixer on an ``H x W`` grid: the query direction is raised to a
+    power that grows with the query norm, ``p = lam * (0.5 + tanh(||q||))``, keys are ``k ** lam``,
+    non-negativity comes from a sign split (official code) or from the paper's cos/sin "cosine
+    inhibit" map, the numerator is rotated by a 2-D RoPE, and the output goes through
+    ``LN(. + LePE(v)) * SiLU(g)`` and ``out_proj``. See the module docstring for the exact formulas
+    and the paper-vs-code differences.
+
+    Args:
+        embed_dims (int): channels ``C``.
+        num_heads (int): heads ``h``; ``C / h`` must be divisible by 4 when ``use_rope``.
+        kernel (str): ``'official'`` (ReLU sign split of ``d(q)^p`` and ``k^lam``, the released
+            code) or ``'paper'`` (``|d(x)|^p * [cos f(d(x)); sin f(d(x))]`` with
+            ``f = pi/4 * tanh``, Eq. 16 and App. A.2). Defaults to ``'official'``.
+        power (float): ``lam``, the key power and the scale of the query power. Defaults to 3.
+        use_rope (bool): 2-D RoPE on the numerator features (official). Defaults to True.
+        rope_base (float): RoPE frequency base. Defaults to 10000.
+        lepe_kernel_size (int): kernel of the depth-wise LePE conv on ``v``. Defaults to 5.
+        eps (float): added to the denominator. Defaults to 1e-6.
+        qkv_bias (bool): bias of the ``qkvg`` projection. Defaults to True.
+        proj_drop (float): dropout after ``out_proj``. Defaults to 0.
+        init_cfg (dict, optional): mmengine init config.
+
+    ``forward(x, hw_shape, rope=None)`` takes tokens ``(B, H*W, C)``; ``rope`` optionally passes a
+    precomputed ``(sin, cos)`` pair of :class:`RoPE2d` (the native hierarchy shares one per stage).
+    """
+
+    def __init__(self, embed_dims, num_heads, kernel='official', power=3., use_rope=True,
+                 rope_base=10000., lepe_kernel_size=5, eps=1e-6, qkv_bias=True, proj_drop=0.,
+                 init_cfg=None):
+        super().__init__(embed_dims, num_heads, 0, init_cfg)
+        if kernel not in ('official', 'paper'):
+            raise ValueError(f"kernel must be 'official' or 'paper', got {kernel!r}")
+        if power <= 0:
+            raise ValueError(f'power must be positive, got {power}')
+        self.kernel = kernel
+        self.power = float(power)
+        self.eps = float(eps)
+        self._build_common(embed_dims, qkv_bias, lepe_kernel_size, proj_drop, use_rope, rope_base)
+
+    def feature_maps(self, q, k):
+        """Non-negative feature maps ``(phi_q, phi_k)``, each ``(..., N, 2d)``, of per-head
+        ``q``, ``k`` ``(..., N, d)``."""
+        lam = self.power
+        qn = torch.linalg.vector_norm(q, dim=-1, keepdim=True)
+        dq = q / qn.clamp_min(1e-12)  # d(q); d(0) = 0 instead of the code's NaN
+        p = lam * (0.5 + torch.tanh(qn))
+        if self.kernel == 'official':
+            k = k.abs().pow(lam) * k.sign()  # k ** lam with the sign kept (= k**3 for lam = 3)
+            phi_q = torch.cat([F.relu(dq).pow(p), F.relu(-dq).pow(p)], -1)
+            phi_k = torch.cat([F.relu(k), F.relu(-k)], -1)
+        else:
+            kn = torch.linalg.vector_norm(k, dim=-1, keepdim=True)
+            dk = k / kn.clamp_min(1e-12)
+            aq = (math.pi / 4) * torch.tanh(dq)
+            ak = (math.pi / 4) * torch.tanh(dk)
+            mq = dq.abs().pow(p)
+            mk = k.abs().pow(lam)
+            phi_q = torch.cat([mq * torch.cos(aq), mq * torch.sin(aq)], -1)
+            phi_k = torch.cat([mk * torch.cos(ak), mk * torch.sin(ak)], -1)
+        return phi_q, phi_k
+
+    def forward(self, x, hw_shape, rope=None):
+        self.check_input(x, hw_shape)
+        q, k, v, g, lepe = self._project(x, hw_shape)
+        with _no_autocast(x.device):
+            N = q.shape[-2]
+            phi_q, phi_k = self.feature_maps(q, k)
+            z = 1.0 / (phi_q @ phi_k.mean(dim=-2, keepdim=True).transpose(-2, -1) + self.eps)
+            sin, cos = self._rope(hw_shape, rope, q.dtype, q.device)
+            if sin is not None:
+                phi_q, phi_k = apply_rope(phi_q, sin, cos), apply_rope(phi_k, sin, cos)
+            kv = (phi_k.transpose(-2, -1) * N ** -0.5) @ (v * N ** -0.5)  # (B, h, 2d, d)
+            y = self._gate((phi_q @ kv) * z, lepe, g)
+        return self._output(y)
+
+    def extra_repr(self):
+        return (f'embed_dims={self.embed_dims}, num_heads={self.num_heads}, kernel={self.kernel}, '
+                f'power={self.power}, use_rope={self.use_rope}')
+
+
+@ATTENTIONS.register_module()
+class NaLaSoftmaxAttention(_NaLaBlockMixin):
+    """Global softmax attention of the released NaLaFormer hierarchy (its stages 3-4).
+
+    Same parameters as :class:`NormAwareLinearAttention` (``qkvg``, ``lepe``, ``ln``,
+    ``out_proj``): ``q`` and ``k`` are rotated by the 2-D RoPE, then
+    ``out_proj(LN(softmax(q k^T / sqrt(d)) v + LePE(v)) * SiLU(g))``. The attention runs through
+    ``F.scaled_dot_product_attention`` in float32 (autocast disabled), as the official code computes
+    it in float32; memory is ``O(N)`` with the memory-efficient kernels.
+
+    Args:
+        embed_dims (int): channels ``C``.
+        num_heads (int): heads ``h``.
+        use_rope (bool): 2-D RoPE on ``q`` and ``k``. Defaults to True.
+        rope_base (float): RoPE frequency base. Defaults to 10000.
+        lepe_kernel_size (int): kernel of the depth-wise LePE conv on ``v``. Defaults to 5.
+        qk_scale (float, optional): logit scale; defaults to ``head_dims ** -0.5``.
+        attn_drop (float): dropout on the attention weights (training only). Defaults to 0.
+        qkv_bias (bool): bias of the ``qkvg`` projection. Defaults to True.
+        proj_drop (float): dropout after ``out_proj``. Defaults to 0.
+        init_cfg (dict, optional): mmengine init config.
+    """
+
+    def __init__(self, embed_dims, num_heads, use_rope=True, rope_base=10000., lepe_kernel_size=5,
+                 qk_scale=None, attn_drop=0., qkv_bias=True, proj_drop=0., init_cfg=None):
+        super().__init__(embed_dims, num_heads, 0, init_cfg)
+        self.scale = qk_scale or self.head_dims ** -0.5
+        self.attn_drop = attn_drop
+        self._build_common(embed_dims, qkv_bias, lepe_kernel_size, proj_drop, use_rope, rope_base)
+
+    def forward(self, x, hw_shape, rope=None):
+        self.check_input(x, hw_shape)
+        q, k, v, g, lepe = self._project(x, hw_shape)
+        with _no_autocast(x.device):
+            sin, cos = self._rope(hw_shape, rope, q.dtype, q.device)
+            if sin is not None:
+                q, k = apply_rope(q, sin, cos), apply_rope(k, sin, cos)
+            out = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.attn_drop if self.training else 0., scale=self.scale)
+            y = self._gate(out, lepe, g)
+        return self._output(y)

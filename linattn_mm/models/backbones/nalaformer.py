@@ -1,0 +1,365 @@
+"""NaLaFormer: the native four-stage hierarchy of the official code (``ZacharyMeng/NaLaFormer``,
+``NaLaformer/NALA.py``), an NCHW network in the RMT / MALA style.
+
+Module names equal the official ones (``patch_embed.proj.{0..10}``, ``layers.{i}.RoPE.angle``,
+``layers.{i}.blocks.{j}.{norm1,attn,norm2,ffn,cpe1,cpe2,gamma_1,gamma_2}``,
+``layers.{i}.downsample.{reduction,norm}``, ``proj``, ``norm``, ``head``), so official files
+(``{'model': ..., 'model_ema': ...}``) load without renaming.
+"""
+import copy
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as cp
+from mmengine.model import BaseModule
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from linattn_mm.registry import register_backbone
+from ..attentions.base import build_attention
+from ..attentions.nala import RoPE2d
+from ..utils.layers import DropPath
+from .base import LinAttnBackbone, drop_path_rates, per_stage, resolve_arch
+
+_ARCH_KEYS = ('embed_dims', 'depths', 'num_heads', 'mlp_ratios')
+
+#: block type -> attention config
+ATTN_TYPES = {
+    'nala': dict(type='NormAwareLinearAttention'),
+    'softmax': dict(type='NaLaSoftmaxAttention'),
+}
+
+_NORM_LAYERS = {'BN': nn.BatchNorm2d, 'BN2d': nn.BatchNorm2d, 'SyncBN': nn.SyncBatchNorm}
+
+
+def build_bn(norm_cfg, num_features):
+    """BatchNorm of ``norm_cfg`` (``type`` in ``BN``/``BN2d``/``SyncBN``, other keys passed on,
+    e.g. ``momentum``, ``eps``, ``requires_grad``)."""
+    cfg = dict(norm_cfg)
+    kind = cfg.pop('type', 'BN')
+    requires_grad = cfg.pop('requires_grad', True)
+    if kind not in _NORM_LAYERS:
+        raise KeyError(f'norm_cfg type must be one of {sorted(_NORM_LAYERS)}, got {kind!r}')
+    layer = _NORM_LAYERS[kind](num_features, **cfg)
+    for p in layer.parameters():
+        p.requires_grad = requires_grad
+    return layer
+
+
+class LayerNorm2d(nn.Module):
+    """LayerNorm over the channels of an NCHW map (key ``norm``, eps 1e-6 as in the code)."""
+
+    def __init__(self, dims, eps=1e-6):
+        super().__init__()
+        self.norm = nn.LayerNorm(dims, eps=eps)
+
+    def forward(self, x):
+        return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class ConvStem(nn.Module):
+    """Stride-4 stem: conv3x3 s2 (C/2), BN, GELU, two conv3x3 s1 (C/2) + BN + GELU, conv3x3 s2
+    (C), BN. Key ``proj.{0,3,6,9}`` (convs) and ``proj.{1,4,7,10}`` (BNs)."""
+
+    def __init__(self, in_channels, embed_dims, norm_cfg):
+        super().__init__()
+        half = embed_dims // 2
+        self.proj = nn.Sequential(
+            nn.Conv2d(in_channels, half, 3, 2, 1), build_bn(norm_cfg, half), nn.GELU(),
+            nn.Conv2d(half, half, 3, 1, 1), build_bn(norm_cfg, half), nn.GELU(),
+            nn.Conv2d(half, half, 3, 1, 1), build_bn(norm_cfg, half), nn.GELU(),
+            nn.Conv2d(half, embed_dims, 3, 2, 1), build_bn(norm_cfg, embed_dims))
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+class ConvPatchMerging(nn.Module):
+    """Stride-2 downsampling between stages: conv3x3 s2 p1 (``reduction``) then BN (``norm``)."""
+
+    def __init__(self, in_dims, out_dims, norm_cfg):
+        super().__init__()
+        self.reduction = nn.Conv2d(in_dims, out_dims, 3, 2, 1)
+        self.norm = build_bn(norm_cfg, out_dims)
+
+    def forward(self, x):
+        return self.norm(self.reduction(x))
+
+
+class ConvFFN(nn.Module):
+    """``fc2(dwconv(gelu(fc1(x))) + gelu(fc1(x)))`` on an NCHW map (keys ``fc1``, ``dwconv``,
+    ``fc2``)."""
+
+    def __init__(self, embed_dims, hidden_dims, drop=0.):
+        super().__init__()
+        self.fc1 = nn.Linear(embed_dims, hidden_dims)
+        self.act = nn.GELU()
+        self.dwconv = nn.Conv2d(hidden_dims, hidden_dims, 3, 1, 1, groups=hidden_dims)
+        self.fc2 = nn.Linear(hidden_dims, embed_dims)
+        self.drop = nn.Dropout(drop)
+
+    def forward(self, x):
+        x = self.drop(self.act(self.fc1(x.permute(0, 2, 3, 1)))).permute(0, 3, 1, 2)
+        x = x + self.dwconv(x)
+        return self.drop(self.fc2(x.permute(0, 2, 3, 1))).permute(0, 3, 1, 2)
+
+
+class NaLaBlock(nn.Module):
+    """One NaLaFormer block on an NCHW map::
+
+        x = x + cpe1(x)
+        x = x + drop_path(gamma_1 * attn(norm1(x)))
+        x = x + cpe2(x)
+        x = x + drop_path(gamma_2 * ffn(norm2(x)))
+
+    Args:
+        embed_dims (int): channels.
+        num_heads (int): attention heads.
+        attn_cfg (dict): attention config (``NormAwareLinearAttention`` or
+            ``NaLaSoftmaxAttention``).
+        mlp_ratio (float): FFN hidden ratio.
+        drop_path (float): stochastic depth rate.
+        layer_scale_init_value (float, optional): LayerScale init (``gamma_1``, ``gamma_2``);
+            ``None`` or 0 disables LayerScale.
+        drop_rate (float): dropout in the FFN and after the attention projection.
+        block_idx (int), stage_idx (int): position (passed to the attention builder).
+    """
+
+    def __init__(self, embed_dims, num_heads, attn_cfg, mlp_ratio=4., drop_path=0.,
+                 layer_scale_init_value=1., drop_rate=0., block_idx=0, stage_idx=0):
+        super().__init__()
+        self.cpe1 = nn.Conv2d(embed_dims, embed_dims, 3, 1, 1, groups=embed_dims)
+        self.norm1 = LayerNorm2d(embed_dims)
+        self.attn = build_attention(attn_cfg, embed_dims=embed_dims, num_heads=num_heads,
+                                    proj_drop=drop_rate, block_idx=block_idx,
+                                    stage_idx=stage_idx)
+        self.drop_path = DropPath(drop_path)
+        self.cpe2 = nn.Conv2d(embed_dims, embed_dims, 3, 1, 1, groups=embed_dims)
+        self.norm2 = LayerNorm2d(embed_dims)
+        self.ffn = ConvFFN(embed_dims, int(mlp_ratio * embed_dims), drop_rate)
+        self.layer_scale = bool(layer_scale_init_value)
+        if self.layer_scale:
+            self.gamma_1 = nn.Parameter(torch.full((1, embed_dims, 1, 1),
+                                                   float(layer_scale_init_value)))
+            self.gamma_2 = nn.Parameter(torch.full((1, embed_dims, 1, 1),
+                                                   float(layer_scale_init_value)))
+
+    def _mix(self, x, rope):
+        B, C, H, W = x.shape
+        t = self.norm1(x).flatten(2).transpose(1, 2)
+        t = self.attn(t, (H, W), rope=rope)
+        return t.transpose(1, 2).reshape(B, C, H, W)
+
+    def forward(self, x, rope=None):
+        x = x + self.cpe1(x)
+        a = self._mix(x, rope)
+        x = x + self.drop_path(self.gamma_1 * a if self.layer_scale else a)
+        x = x + self.cpe2(x)
+        f = self.ffn(self.norm2(x))
+        return x + self.drop_path(self.gamma_2 * f if self.layer_scale else f)
+
+
+class NaLaStage(nn.Module):
+    """Blocks of one stage sharing one 2-D RoPE (``RoPE.angle``), then optional downsampling.
+    ``forward`` returns ``(stage output, downsampled output)``."""
+
+    def __init__(self, depth, embed_dims, num_heads, attn_cfg, dpr, mlp_ratio,
+                 layer_scale_init_value, drop_rate, out_dims, norm_cfg, stage_idx, with_cp):
+        super().__init__()
+        self.RoPE = RoPE2d(embed_dims // num_heads, persistent=True)
+        self.blocks = nn.ModuleList([
+            NaLaBlock(embed_dims, num_heads, attn_cfg, mlp_ratio, dpr[j], layer_scale_init_value,
+                      drop_rate, block_idx=j, stage_idx=stage_idx) for j in range(depth)])
+        self.downsample = ConvPatchMerging(embed_dims, out_dims, norm_cfg) if out_dims else None
+        self.with_cp = with_cp
+
+    def forward(self, x):
+        rope = self.RoPE(x.shape[-2:])
+        for blk in self.blocks:
+            if self.with_cp and x.requires_grad:
+                x = cp.checkpoint(blk, x, rope, use_reentrant=False)
+            else:
+                x = blk(x, rope)
+        down = self.downsample(x) if self.downsample is not None else None
+        return x, down
+
+
+def _arch(dims, depths, heads, ratio, ls, dpr):
+    return dict(embed_dims=list(dims), depths=list(depths), num_heads=list(heads),
+                mlp_ratios=[ratio] * 4, layer_scale_init_values=list(ls), drop_path_rate=dpr)
+
+
+@register_backbone
+class NaLaFormer(LinAttnBackbone):
+    """NaLaFormer backbone (Meng et al., "NaLaFormer: Norm-Aware Linear Attention for Transformer
+    Models", arXiv 2506.21137), the hierarchy of the official code.
+
+    A conv stem (stride 4), four stages of blocks (CPE 3x3 depth-wise convs, LayerNorm, attention,
+    LayerScale, conv FFN) with conv patch merging (3x3 s2 + BN) between them. As released, stages
+    1-2 use norm-aware linear attention (:class:`NormAwareLinearAttention`) and stages 3-4 global
+    softmax attention (:class:`NaLaSoftmaxAttention`); ``attn_types=('nala',) * 4`` gives an
+    all-linear network. Every stage shares one 2-D RoPE among its blocks; any H x W input works.
+
+    Args:
+        arch (str | dict): ``'xt'``, ``'t'``, ``'s'``, ``'b'``, ``'l'`` (aliases ``x-tiny``,
+            ``tiny``, ``small``, ``base``, ``large``) or a dict with ``embed_dims, depths,
+            num_heads, mlp_ratios`` (and optionally ``layer_scale_init_values``,
+            ``drop_path_rate``). Defaults to ``'t'``.
+        in_channels (int): input channels. Defaults to 3.
+        attn_types (str | Sequence[str]): ``'nala'`` or ``'softmax'`` for every stage or per stage.
+            Defaults to ``('nala', 'nala', 'softmax', 'softmax')`` (the released models).
+        nala_cfg (dict | Sequence[dict], optional): extra options of the NaLa attention (all
+            stages or per stage), e.g. ``dict(kernel='paper')``. Defaults to None.
+        out_indices (Sequence[int]): stages whose maps are returned (before downsampling, each
+            through its own LayerNorm ``extra_norms.{i}``). Defaults to ``(0, 1, 2, 3)``. May be
+            empty when ``num_classes > 0``.
+        num_classes (int): > 0 builds the official classifier (``proj`` Linear to
+            ``projection``, BatchNorm ``norm``, SiLU, global average pooling, 1x1 conv ``head``)
+            and appends its logits ``(B, num_classes)`` to the outputs (use mmpretrain's
+            ``ClsHead``); <= 0 builds none (dense prediction). Defaults to -1.
+        projection (int): width of the classifier projection. Defaults to 1024.
+        drop_rate (float): dropout in the FFNs and after attention projections. Defaults to 0.
+        drop_path_rate (float, optional): stochastic depth, increasing linearly over the blocks;
+            ``None`` uses the arch's value (xt/t 0.1, s 0.15, b 0.4, l 0.55). Defaults to None.
+        layer_scale_init_values (float | Sequence[float], optional): LayerScale init per stage
+            (``None``: the arch's values; 0 disables LayerScale). Defaults to None.
+        norm_cfg (dict): BatchNorm of the stem, the patch merging layers and the classifier
+            (``BN`` or ``SyncBN``). Defaults to ``dict(type='BN')``.
+        with_cp (bool): gradient checkpointing per block. Defaults to False.
+        frozen_stages (int): freeze the stem and the first ``frozen_stages`` stages (with their
+            downsampling and output norms); -1 freezes nothing. Defaults to -1.
+        norm_eval (bool): keep the BatchNorm layers in eval mode while training. Defaults to False.
+        pretrained (str, optional): deprecated, use ``init_cfg``.
+        init_cfg (dict, optional): ``dict(type='Pretrained', checkpoint=...)`` loads official
+            NaLaFormer files (``model_ema`` preferred over ``model``), mmpretrain files or raw state
+            dicts. Without a classifier, the official ``proj``/``norm``/``head`` keys are dropped.
+
+    Default init (no checkpoint) is the official one: convs truncated normal (std 0.02, zero bias),
+    LayerNorm/BatchNorm ones and zeros, linear layers PyTorch's default.
+    """
+    arch_zoo = {
+        **dict.fromkeys(['xt', 'x-tiny'], _arch((32, 64, 128, 384), (2, 2, 2, 2), (1, 2, 4, 12),
+                                               3.5, (1, 1, 1, 1), 0.1)),
+        **dict.fromkeys(['t', 'tiny'], _arch((64, 128, 256, 512), (2, 2, 6, 2), (1, 2, 4, 8), 4,
+                                             (1, 1, 1, 1), 0.1)),
+        **dict.fromkeys(['s', 'small'], _arch((64, 128, 320, 512), (3, 5, 9, 3), (1, 2, 5, 8),
+                                              3.5, (1, 1, 1, 1), 0.15)),
+        **dict.fromkeys(['b', 'base'], _arch((96, 192, 384, 512), (4, 6, 12, 6), (1, 2, 6, 8), 4,
+                                             (1, 1, 1e-6, 1e-6), 0.4)),
+        **dict.fromkeys(['l', 'large'], _arch((96, 192, 448, 640), (4, 7, 19, 8), (1, 2, 7, 10),
+                                              3.5, (1e-6, 1e-6, 1e-6, 1e-6), 0.55)),
+    }
+
+    def __init__(self, arch='t', in_channels=3, attn_types=('nala', 'nala', 'softmax', 'softmax'),
+                 nala_cfg=None, out_indices=(0, 1, 2, 3), num_classes=-1, projection=1024,
+                 drop_rate=0., drop_path_rate=None, layer_scale_init_values=None,
+                 norm_cfg=dict(type='BN'), with_cp=False, frozen_stages=-1, norm_eval=False,
+                 pretrained=None, init_cfg=None):
+        super().__init__(init_cfg, pretrained, frozen_stages, norm_eval)
+        name = type(self).__name__
+        a = resolve_arch(name, self.arch_zoo, arch, _ARCH_KEYS)
+        self.arch_settings = a
+        depths = a['depths']
+        self.num_stages = len(depths)
+        for key in ('embed_dims', 'num_heads', 'mlp_ratios'):
+            if len(a[key]) != self.num_stages:
+                raise ValueError(f'{name}: arch {key} has {len(a[key])} entries for '
+                                 f'{self.num_stages} stages')
+        self.embed_dims = list(a['embed_dims'])
+        self.num_features = self.embed_dims
+        out_indices = tuple(out_indices)
+        if any(i < 0 or i >= self.num_stages for i in out_indices):
+            raise ValueError(f'{name}: out_indices {out_indices} must lie in '
+                             f'[0, {self.num_stages})')
+        if not out_indices and num_classes <= 0:
+            raise ValueError(f'{name}: out_indices is empty and there is no classifier '
+                             f'(num_classes={num_classes}); nothing to return')
+        self.out_indices = out_indices
+        self.num_classes = num_classes
+
+        types = per_stage(name, attn_types, self.num_stages, 'attn_types')
+        for t in types:
+            if t not in ATTN_TYPES:
+                raise ValueError(f'{name}: attn_types entries must be one of '
+                                 f'{sorted(ATTN_TYPES)}, got {t!r}')
+        self.attn_types = tuple(types)
+        extra = per_stage(name, nala_cfg or {}, self.num_stages, 'nala_cfg')
+        if layer_scale_init_values is None:
+            layer_scale_init_values = a.get('layer_scale_init_values', 1.)
+        ls = per_stage(name, layer_scale_init_values, self.num_stages, 'layer_scale_init_values')
+        if drop_path_rate is None:
+            drop_path_rate = a.get('drop_path_rate', 0.1)
+        self.drop_path_rate = drop_path_rate
+        dpr = drop_path_rates(drop_path_rate, depths)
+
+        self.patch_embed = ConvStem(in_channels, self.embed_dims[0], norm_cfg)
+        self.layers = nn.ModuleList()
+        for i in range(self.num_stages):
+            cfg = copy.deepcopy(ATTN_TYPES[types[i]])
+            if types[i] == 'nala':
+                cfg.update(extra[i])
+            self.layers.append(NaLaStage(
+                depths[i], self.embed_dims[i], a['num_heads'][i], cfg, dpr[i], a['mlp_ratios'][i],
+                ls[i], drop_rate,
+                self.embed_dims[i + 1] if i < self.num_stages - 1 else None, norm_cfg, i,
+                with_cp))
+        self.extra_norms = nn.ModuleDict(
+            {str(i): LayerNorm2d(self.embed_dims[i]) for i in out_indices})
+        if num_classes > 0:
+            self.projection = projection
+            self.proj = nn.Linear(self.embed_dims[-1], projection)
+            self.norm = build_bn(norm_cfg, projection)
+            self.swish = nn.SiLU()
+            self.avgpool = nn.AdaptiveAvgPool2d(1)
+            self.head = nn.Conv2d(projection, num_classes, 1)
+            self.pretrained_ignore_keys = ()
+        else:
+            # classification-only parts of official files
+            self.pretrained_ignore_keys = (r'^proj\.', r'^norm\.', r'^head\.')
+        self.apply(self._official_init)
+        self._freeze_stages()
+
+    @staticmethod
+    def _official_init(m):
+        if isinstance(m, nn.Conv2d):
+            nn.init.trunc_normal_(m.weight, std=.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, (nn.LayerNorm, _BatchNorm)):
+            if m.weight is not None:
+                nn.init.ones_(m.weight)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Linear):
+            m.reset_parameters()
+
+    def init_weights(self):
+        """Official init (see the class docstring) when no checkpoint is configured; otherwise the
+        base pipeline loads it (missing keys, e.g. ``extra_norms``, keep ones/zeros)."""
+        if self._pretrained_cfg() is None:
+            self.apply(self._official_init)
+            BaseModule.init_weights(self)
+            return
+        super().init_weights()
+
+    def stem_modules(self):
+        return [self.patch_embed]
+
+    def stage_modules(self, i):
+        mods = [self.layers[i]]
+        if str(i) in self.extra_norms:
+            mods.append(self.extra_norms[str(i)])
+        return mods
+
+    def forward(self, x):
+        x = self.patch_embed(x)
+        outs = []
+        for i, stage in enumerate(self.layers):
+            out, down = stage(x)
+            if i in self.out_indices:
+                outs.append(self.extra_norms[str(i)](out))
+            x = down if down is not None else out
+        if self.num_classes > 0:
+            y = self.proj(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+            y = self.avgpool(self.swish(self.norm(y)))
+            outs.append(self.head(y).flatten(1))
+        return tuple(outs)
