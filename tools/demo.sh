@@ -13,7 +13,7 @@ WORK="work_dirs/demo/$(basename "$CONFIG" .py)"
 export PYTHONUNBUFFERED=1
 start=$(date +%s)
 "$PY" tools/make_demo_data.py --root data/demo
-"$PY" tools/train.py "$CONFIG" --work-dir "$WORK" "$@"
+"$PY" tools/train.py "$CONFIG" --work-dir "$WORK" --cfg-options randomness.seed=0 "$@"
 CKPT="$(cat "$WORK/last_checkpoint")"
 "$PY" tools/test.py "$CONFIG" "$CKPT" --work-dir "$WORK" | tee "$WORK/test_output.txt"
 echo "demo finished in $(( $(date +%s) - start )) s; checkpoint: $CKPT"

@@ -27,7 +27,7 @@ demo_param_scheduler = [
     dict(type='LinearLR', start_factor=0.1, by_epoch=False, begin=0, end=20),
     dict(type='PolyLR', power=1.0, eta_min=0.0, by_epoch=False, begin=20, end=demo_max_iters),
 ]
-demo_optim_wrapper = dict(optimizer=dict(lr=5e-4), clip_grad=dict(max_norm=5.0))
+demo_optim_wrapper = dict(optimizer=dict(lr=2e-4))
 demo_default_hooks = dict(
     logger=dict(interval=10), checkpoint=dict(interval=demo_max_iters, max_keep_ckpts=2))
 demo_model = dict(backbone=dict(init_cfg=None), data_preprocessor=dict(size=demo_crop_size))

@@ -32,7 +32,7 @@ demo_param_scheduler = [
     dict(type='MultiStepLR', begin=0, end=demo_max_epochs, by_epoch=True, milestones=[9, 11],
          gamma=0.1),
 ]
-demo_optim_wrapper = dict(optimizer=dict(lr=5e-4), clip_grad=dict(max_norm=5.0))
+demo_optim_wrapper = dict(optimizer=dict(lr=2e-4))
 demo_default_hooks = dict(
     logger=dict(interval=10), checkpoint=dict(interval=demo_max_epochs, max_keep_ckpts=2))
 demo_model = dict(backbone=dict(init_cfg=None))
