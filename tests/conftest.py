@@ -14,9 +14,27 @@ CONFIGS = osp.join(REPO, 'configs')
 
 @pytest.fixture(scope='session')
 def demo_data():
-    """The demo data under the repository's data/demo (the demo configs' standard data root)."""
+    """The demo data under the repository's data/demo (the demo configs' standard data root).
+    Generated once; a file lock keeps parallel test workers from writing it at the same time."""
+    from filelock import FileLock
+
     from linattn_mm.demo_data import make_demo_data
-    return make_demo_data(osp.join(REPO, 'data', 'demo'), progress=False)
+    root = osp.join(REPO, 'data', 'demo')
+    os.makedirs(root, exist_ok=True)
+    with FileLock(osp.join(root, '.generate.lock')):
+        return make_demo_data(root, progress=False)
+
+
+@pytest.fixture(scope='session')
+def fast_config_text():
+    """mmengine's Runner pretty-prints the whole config with yapf about nine times per run (for
+    its log and the config dump), which costs more than a one-iteration run itself. In the
+    in-process harness the text is logged unformatted; training and evaluation are unaffected."""
+    from mmengine.config import config as mm_config
+    orig = mm_config.FormatCode
+    mm_config.FormatCode = lambda text, *args, **kwargs: (text, False)
+    yield
+    mm_config.FormatCode = orig
 
 
 def run_tool(args, cwd=REPO, timeout=900):
@@ -60,6 +78,18 @@ def short_run_options(cfg):
         thr = 'model.test_cfg.rcnn.score_thr=0.0' if 'rcnn' in tc else 'model.test_cfg.score_thr=0.0'
         train.append(thr)
         test.append(thr)
+        # few proposals / sampled RoIs: the model is unchanged, the smoke run is much cheaper
+        trc = cfg.model.get('train_cfg', {})
+        if 'rpn_proposal' in trc:
+            train += ['model.train_cfg.rpn_proposal.nms_pre=200',
+                      'model.train_cfg.rpn_proposal.max_per_img=64']
+        rcnn = trc.get('rcnn')
+        if isinstance(rcnn, (list, tuple)):
+            train += [f'model.train_cfg.rcnn.{i}.sampler.num=64' for i in range(len(rcnn))]
+        elif rcnn is not None:
+            train.append('model.train_cfg.rcnn.sampler.num=64')
+        if 'rpn' in tc:
+            test += ['model.test_cfg.rpn.nms_pre=200', 'model.test_cfg.rpn.max_per_img=64']
         metric = cfg.test_evaluator.get('metric', 'bbox')
         metric = [metric] if isinstance(metric, str) else list(metric)
         keys = [f'coco/{m}_mAP' for m in metric]

@@ -12,7 +12,7 @@ DEMOS = sorted(n for n in _zoo() if n.endswith('_demo'))
 
 
 @pytest.mark.parametrize('name', DEMOS)
-def test_demo_config_trains_and_tests(name, demo_data, tmp_path):
+def test_demo_config_trains_and_tests(name, demo_data, fast_config_text, tmp_path):
     metrics, keys = train_and_test_inprocess(_zoo()[name], str(tmp_path / 'work'))
     for k in keys:
         assert k in metrics, (k, metrics)

@@ -1,10 +1,8 @@
 """Tests of linattn_mm.checkpoint: safe loading, unwrapping, resizing, reporting, conversion."""
 import argparse
 import logging
-import os
 import sys
 import types
-import warnings
 
 import numpy as np
 import pytest

@@ -15,6 +15,12 @@ MARK="$VENV/.linattn_stack"
 
 log() { printf '[bootstrap %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
+# pip install with this machine's noise removed: local mirrors listed in pip.conf that lack a
+# package make pip print one "Location ... is ignored" warning per package. Exit status is pip's.
+pip_install() {
+    "${PIP[@]}" "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; } >&2
+}
+
 if [ -f "$MARK" ] && [ "$(cat "$MARK")" = "$STACK" ] && "$VENV/bin/python" -c "import linattn_mm, mmcv.ops, mmdet, mmseg, mmpretrain" 2>/dev/null; then
     log "environment $VENV is complete; reusing it"
     echo "$VENV/bin/python"
@@ -29,14 +35,14 @@ PY="$VENV/bin/python"
 PIP=("$PY" -m pip install --disable-pip-version-check -c "$ROOT/tools/constraints.txt")
 
 log "step 1/5: build tools (setuptools<81: mmcv and mmengine import pkg_resources)"
-"${PIP[@]}" -q "setuptools<81" wheel ninja
+pip_install -q "setuptools<81" wheel ninja
 
 # '===' is an exact string match: it refuses the local '2.13.0+cpu' wheel, which has no torchvision.
 log "step 2/5: torch 2.13.0 (regular wheel) + torchvision 0.28.0"
-"${PIP[@]}" -q "torch===2.13.0" "torchvision==0.28.0"
+pip_install -q "torch===2.13.0" "torchvision==0.28.0"
 
 log "step 3/5: mmengine 0.10.7"
-"${PIP[@]}" -q "mmengine==0.10.7"
+pip_install -q "mmengine==0.10.7"
 
 if "$PY" -c "import mmcv, mmcv.ops; assert mmcv.__version__ == '2.1.0'" 2>/dev/null; then
     log "step 4/5: mmcv 2.1.0 with ops already installed"
@@ -68,9 +74,9 @@ else
 fi
 
 log "step 5/5: mmdet 3.3.0, mmsegmentation 1.2.2, mmpretrain 1.2.0, test tools, linattn_mm (editable)"
-"${PIP[@]}" -q "mmdet==3.3.0" "mmsegmentation==1.2.2" "mmpretrain==1.2.0" ftfy regex pytest "torch===2.13.0"
+pip_install -q "mmdet==3.3.0" "mmsegmentation==1.2.2" "mmpretrain==1.2.0" ftfy regex pytest "torch===2.13.0"
 if [ -f "$ROOT/setup.py" ]; then
-    "${PIP[@]}" -q --no-build-isolation --no-deps -e "$ROOT"
+    pip_install -q --no-build-isolation --no-deps -e "$ROOT"
 fi
 
 "$PY" -c "import torch, mmcv, mmcv.ops, mmengine, mmdet, mmseg, mmpretrain; print('[bootstrap] torch', torch.__version__, 'mmcv', mmcv.__version__, 'mmdet', mmdet.__version__, 'mmseg', mmseg.__version__, 'mmpretrain', mmpretrain.__version__)" >&2

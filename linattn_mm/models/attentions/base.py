@@ -58,6 +58,18 @@ class BaseTokenMixer(BaseModule):
         raise NotImplementedError
 
 
+def split_heads(t, num_heads):
+    """(B, N, C) -> (B, h, N, C/h)."""
+    B, N, C = t.shape
+    return t.reshape(B, N, num_heads, C // num_heads).transpose(1, 2)
+
+
+def merge_heads(t):
+    """(B, h, N, d) -> (B, N, h*d)."""
+    B, h, N, d = t.shape
+    return t.transpose(1, 2).reshape(B, N, h * d)
+
+
 def _init_params(cls):
     sig = inspect.signature(cls.__init__)
     names = []

@@ -50,31 +50,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from linattn_mm.registry import ATTENTIONS
-from .base import BaseTokenMixer
+from ..utils.grid import resize_grid_embed
+from .base import BaseTokenMixer, merge_heads, split_heads
 
 __all__ = ['PolaLinearAttention', 'polarity_attention', 'polarity_attention_fused']
-
-
-def _split_heads(t, num_heads):
-    """(B, N, C) -> (B, h, N, C/h)."""
-    B, N, C = t.shape
-    return t.reshape(B, N, num_heads, C // num_heads).transpose(1, 2)
-
-
-def _merge_heads(t):
-    """(B, h, N, d) -> (B, N, h*d)."""
-    B, h, N, d = t.shape
-    return t.transpose(1, 2).reshape(B, N, h * d)
-
-
-def resize_token_grid(table, src_hw, dst_hw, mode='bicubic'):
-    """Resize a (1, h*w, C) table laid out row-major on ``src_hw`` to ``dst_hw`` (align_corners
-    False); half-precision tables are interpolated in float32, others in their own dtype."""
-    C = table.shape[-1]
-    grid = table.reshape(1, src_hw[0], src_hw[1], C).permute(0, 3, 1, 2)
-    work = grid.float() if grid.dtype in (torch.float16, torch.bfloat16) else grid
-    out = F.interpolate(work, size=tuple(dst_hw), mode=mode, align_corners=False)
-    return out.to(table.dtype).flatten(2).transpose(1, 2)
 
 
 def polarity_attention(q, k, v, p, eps=1e-6):
@@ -280,7 +259,7 @@ class PolaLinearAttention(BaseTokenMixer):
         key = (tuple(hw), pe.device, pe.dtype, pe.data_ptr(), pe._version)
         if cacheable and self._pe_cache is not None and self._pe_cache[0] == key:
             return self._pe_cache[1]
-        out = resize_token_grid(pe, self.pos_enc_hw, hw)
+        out = resize_grid_embed(pe, self.pos_enc_hw, hw)
         if cacheable:
             self._pe_cache = (key, out)
         else:
@@ -339,9 +318,9 @@ class PolaLinearAttention(BaseTokenMixer):
                 q, k = q / s, k / s
             h = self.num_heads
             fn = polarity_attention_fused if self.fused else polarity_attention
-            out = fn(_split_heads(q, h), _split_heads(k, h), _split_heads(v, h),
+            out = fn(split_heads(q, h), split_heads(k, h), split_heads(v, h),
                      self.exponent().to(work), self.eps)
-            out = _merge_heads(out)
+            out = merge_heads(out)
         return out.to(out_dtype)
 
     def _conv_term(self, v, hw_shape):

@@ -6,19 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from linattn_mm.registry import ATTENTIONS
-from .base import BaseTokenMixer
-
-
-def _heads(t, num_heads):
-    """(B, N, C) -> (B, h, N, C/h)."""
-    B, N, C = t.shape
-    return t.view(B, N, num_heads, C // num_heads).transpose(1, 2)
-
-
-def _merge_heads(t):
-    """(B, h, N, d) -> (B, N, h*d)."""
-    B, h, N, d = t.shape
-    return t.transpose(1, 2).reshape(B, N, h * d)
+from .base import BaseTokenMixer, merge_heads, split_heads
 
 
 @ATTENTIONS.register_module()
@@ -47,10 +35,10 @@ class GlobalSoftmaxAttention(BaseTokenMixer):
 
     def forward(self, x, hw_shape):
         self.check_input(x, hw_shape)
-        q, k, v = _heads(self.qkv(x), self.num_heads * 3).chunk(3, dim=1)
+        q, k, v = split_heads(self.qkv(x), self.num_heads * 3).chunk(3, dim=1)
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.attn_drop if self.training else 0., scale=self.scale)
-        return self.proj_drop(self.proj(_merge_heads(out)))
+        return self.proj_drop(self.proj(merge_heads(out)))
 
 
 def relative_position_index(window_size):
@@ -152,7 +140,7 @@ class WindowSoftmaxAttention(BaseTokenMixer):
         if s:
             x = torch.roll(x, shifts=(-s, -s), dims=(1, 2))
         windows = window_partition(x, ws)  # (B*nW, n, C)
-        q, k, v = _heads(self.qkv(windows), self.num_heads * 3).chunk(3, dim=1)
+        q, k, v = split_heads(self.qkv(windows), self.num_heads * 3).chunk(3, dim=1)
         bias = self.relative_position_bias().to(q.dtype)[None]  # (1, h, n, n)
         if s:
             mask = shift_window_mask(Hp, Wp, ws, s, x.device).to(q.dtype)  # (nW, n, n)
@@ -160,7 +148,7 @@ class WindowSoftmaxAttention(BaseTokenMixer):
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=bias, dropout_p=self.attn_drop if self.training else 0.,
             scale=self.scale)
-        out = self.proj_drop(self.proj(_merge_heads(out)))
+        out = self.proj_drop(self.proj(merge_heads(out)))
         x = window_reverse(out, ws, Hp, Wp)
         if s:
             x = torch.roll(x, shifts=(s, s), dims=(1, 2))
@@ -222,8 +210,8 @@ class SRSoftmaxAttention(BaseTokenMixer):
 
     def forward(self, x, hw_shape):
         self.check_input(x, hw_shape)
-        q = _heads(self.q(x), self.num_heads)
-        k, v = _heads(self.kv(self.reduce(x, hw_shape)), self.num_heads * 2).chunk(2, dim=1)
+        q = split_heads(self.q(x), self.num_heads)
+        k, v = split_heads(self.kv(self.reduce(x, hw_shape)), self.num_heads * 2).chunk(2, dim=1)
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.attn_drop if self.training else 0., scale=self.scale)
-        return self.proj_drop(self.proj(_merge_heads(out)))
+        return self.proj_drop(self.proj(merge_heads(out)))

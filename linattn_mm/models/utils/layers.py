@@ -7,6 +7,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as cp
 
 from linattn_mm.models.attentions.base import build_attention
+from .grid import resize_grid_embed  # noqa: F401  (re-exported for the skeletons)
 
 
 class DropPath(nn.Module):
@@ -154,19 +155,6 @@ class PatchMerging(nn.Module):
         x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]], -1)
         hw = tuple(x.shape[1:3])
         return self.reduction(self.norm(x.view(B, -1, 4 * C))), hw
-
-
-def resize_grid_embed(embed, src_hw, dst_hw, num_extra_tokens=0, mode='bicubic'):
-    """Resize a (1, E + h*w, C) token table laid out on ``src_hw`` to ``dst_hw`` (extra tokens kept)."""
-    if tuple(src_hw) == tuple(dst_hw):
-        return embed
-    extra, grid = embed[:, :num_extra_tokens], embed[:, num_extra_tokens:]
-    C = grid.shape[-1]
-    grid = grid.reshape(1, src_hw[0], src_hw[1], C).permute(0, 3, 1, 2)
-    grid = F.interpolate(grid.float(), size=tuple(dst_hw), mode=mode,
-                         align_corners=False).to(embed.dtype)
-    grid = grid.flatten(2).transpose(1, 2)
-    return torch.cat([extra, grid], dim=1) if num_extra_tokens else grid
 
 
 def square_hw(num_tokens):
