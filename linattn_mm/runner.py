@@ -1,5 +1,42 @@
 """Helpers shared by ``tools/train.py`` and ``tools/test.py``."""
+import os
+import os.path as osp
+
 import torch
+
+
+def add_common_args(parser):
+    """The flags every tool shares: ``--work-dir --cfg-options --launcher --local-rank``."""
+    from mmengine.config import DictAction
+    parser.add_argument('--work-dir', help='directory for logs and checkpoints')
+    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
+                        help='override config settings, e.g. train_cfg.max_epochs=1')
+    parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
+                        default='none')
+    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
+    return parser
+
+
+def parse_with_common(parser, argv=None):
+    args = parser.parse_args(argv)
+    if 'LOCAL_RANK' not in os.environ:
+        os.environ['LOCAL_RANK'] = str(args.local_rank)
+    return args
+
+
+def load_config(args):
+    """The config of ``args.config`` with ``--cfg-options``, the launcher and the work dir (CLI,
+    then the config's ``work_dir``, then ``work_dirs/<config name>``) applied."""
+    from mmengine.config import Config
+    cfg = Config.fromfile(args.config)
+    cfg.launcher = args.launcher
+    if args.cfg_options is not None:
+        cfg.merge_from_dict(args.cfg_options)
+    if args.work_dir is not None:
+        cfg.work_dir = args.work_dir
+    elif cfg.get('work_dir', None) is None:
+        cfg.work_dir = osp.join('./work_dirs', osp.splitext(osp.basename(args.config))[0])
+    return cfg
 
 
 def apply_launcher_defaults(cfg):

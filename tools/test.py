@@ -9,45 +9,27 @@ The metrics are logged by the evaluator and printed as one JSON line starting wi
 import argparse
 import json
 import numbers
-import os
-import os.path as osp
-
-from mmengine.config import Config, DictAction
 
 import linattn_mm  # noqa: F401
-from linattn_mm.runner import apply_launcher_defaults, build_runner
+from linattn_mm.runner import (add_common_args, apply_launcher_defaults, build_runner,
+                               load_config, parse_with_common)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description='Test a detector, segmentor or classifier')
     p.add_argument('config', help='config file path')
     p.add_argument('checkpoint', help='checkpoint file')
-    p.add_argument('--work-dir', help='directory for the evaluation logs')
     p.add_argument('--out', help='dump predictions to this pickle file (mmdet, mmpretrain) or '
                    'prediction images to this directory (mmseg)')
     p.add_argument('--show-dir', help='save drawn predictions under work_dir/timestamp/DIR')
-    p.add_argument('--cfg-options', nargs='+', action=DictAction,
-                   help='override config settings')
-    p.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'], default='none')
     p.add_argument('--tta', action='store_true', help='test-time augmentation (tta_model and '
                    'tta_pipeline of the config)')
-    p.add_argument('--local_rank', '--local-rank', type=int, default=0)
-    args = p.parse_args(argv)
-    if 'LOCAL_RANK' not in os.environ:
-        os.environ['LOCAL_RANK'] = str(args.local_rank)
-    return args
+    return parse_with_common(add_common_args(p), argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    cfg = Config.fromfile(args.config)
-    cfg.launcher = args.launcher
-    if args.cfg_options is not None:
-        cfg.merge_from_dict(args.cfg_options)
-    if args.work_dir is not None:
-        cfg.work_dir = args.work_dir
-    elif cfg.get('work_dir', None) is None:
-        cfg.work_dir = osp.join('./work_dirs', osp.splitext(osp.basename(args.config))[0])
+    cfg = load_config(args)
     cfg.load_from = args.checkpoint
     scope = cfg.get('default_scope', 'mmdet')
     if args.show_dir:

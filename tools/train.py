@@ -5,45 +5,27 @@ Same flags as the stock OpenMMLab ``tools/train.py``:
                                  [--cfg-options k=v ...] [--launcher none|pytorch|slurm|mpi]
 """
 import argparse
-import os
-import os.path as osp
-
-from mmengine.config import Config, DictAction
 
 import linattn_mm  # noqa: F401  (registers the backbones, allow-lists safe checkpoint objects)
-from linattn_mm.runner import apply_launcher_defaults, build_runner
+from linattn_mm.runner import (add_common_args, apply_launcher_defaults, build_runner,
+                               load_config, parse_with_common)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description='Train a detector, segmentor or classifier')
     p.add_argument('config', help='config file path')
-    p.add_argument('--work-dir', help='directory for logs and checkpoints')
     p.add_argument('--amp', action='store_true', help='automatic mixed precision training')
     p.add_argument('--auto-scale-lr', action='store_true',
                    help='scale the learning rate by the actual batch size')
     p.add_argument('--resume', nargs='?', type=str, const='auto',
                    help='resume from CKPT, or from the latest checkpoint in the work dir if no '
                    'path is given')
-    p.add_argument('--cfg-options', nargs='+', action=DictAction,
-                   help='override config settings, e.g. train_cfg.max_epochs=1')
-    p.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'], default='none')
-    p.add_argument('--local_rank', '--local-rank', type=int, default=0)
-    args = p.parse_args(argv)
-    if 'LOCAL_RANK' not in os.environ:
-        os.environ['LOCAL_RANK'] = str(args.local_rank)
-    return args
+    return parse_with_common(add_common_args(p), argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    cfg = Config.fromfile(args.config)
-    cfg.launcher = args.launcher
-    if args.cfg_options is not None:
-        cfg.merge_from_dict(args.cfg_options)
-    if args.work_dir is not None:
-        cfg.work_dir = args.work_dir
-    elif cfg.get('work_dir', None) is None:
-        cfg.work_dir = osp.join('./work_dirs', osp.splitext(osp.basename(args.config))[0])
+    cfg = load_config(args)
     if args.amp:
         wrapper = cfg.optim_wrapper.get('type', 'OptimWrapper')
         if wrapper == 'AmpOptimWrapper':

@@ -2,18 +2,12 @@
 # linear warm-up 1500 iterations, poly decay, batch 2 x 8 GPUs).
 _base_ = [
     'mmseg::swin/swin-tiny-patch4-window7-in1k-pre_upernet_8xb2-160k_ade20k-512x512.py',
-    '../_base_/linattn_no_decay.py'
+    '../_base_/linattn_no_decay.py',
+    './_base_/backbones.py',
 ]
 custom_imports = dict(imports=['linattn_mm'], allow_failed_imports=False)
-pretrained = 'https://dl.fbaipublicfiles.com/deit/deit_tiny_patch16_224-a1311bcf.pth'  # official ImageNet-1k weights
 model = dict(
-    backbone=dict(
-        _delete_=True,
-        type='LinAttnViT',
-        arch='t',
-        drop_path_rate=0.1,
-        out_indices=(0, 1, 2, 3),
-        init_cfg=dict(type='Pretrained', checkpoint=pretrained)),
+    backbone={{_base_.deit_t_backbone}},
     decode_head=dict(in_channels=[192, 192, 192, 192]),
     auxiliary_head=dict(in_channels=192))
 optim_wrapper = dict(

@@ -2,21 +2,12 @@
 # AdamW lr 1e-4, weight decay 1e-3; poly schedule, 512x512 crops, batch 4 x 8 GPUs (PVT setting).
 _base_ = [
     'mmseg::poolformer/fpn_poolformer_s12_8xb4-40k_ade20k-512x512.py',
-    '../_base_/linattn_no_decay.py'
+    '../_base_/linattn_no_decay.py',
+    './_base_/backbones.py',
 ]
 custom_imports = dict(imports=['linattn_mm'], allow_failed_imports=False)
-# ImageNet-1k NaLaFormer-T weights. There are no public ones: train nalaformer-t_in1k (or
-# place an official-format file, {'model': ..., 'model_ema': ...}, here; EMA weights are preferred).
-pretrained = 'checkpoints/nalaformer_t.pth'
 model = dict(
-    backbone=dict(
-        _delete_=True,
-        type='NaLaFormer',
-        arch='t',
-        drop_path_rate=0.1,  # not stated in the paper; the ImageNet value
-        out_indices=(0, 1, 2, 3),
-        norm_eval=True,  # BatchNorm of the stem / patch merging frozen (2 images per GPU)
-        init_cfg=dict(type='Pretrained', checkpoint=pretrained)),
+    backbone={{_base_.nalaformer_t_backbone}},
     neck=dict(in_channels=[64, 128, 256, 512]))
 optim_wrapper = dict(
     _delete_=True,

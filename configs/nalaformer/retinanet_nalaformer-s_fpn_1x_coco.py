@@ -1,19 +1,13 @@
 # RetinaNet 1x with a NaLaFormer-S backbone. Paper recipe (Sec. 4.2 / App. A.2, FLatten strategy):
 # AdamW lr 1e-4, weight decay 1e-4, step schedule, batch 2 x 8 GPUs.
-_base_ = ['mmdet::pvt/retinanet_pvt-t_fpn_1x_coco.py', '../_base_/linattn_no_decay.py']
+_base_ = [
+    'mmdet::pvt/retinanet_pvt-t_fpn_1x_coco.py',
+    '../_base_/linattn_no_decay.py',
+    './_base_/backbones.py',
+]
 custom_imports = dict(imports=['linattn_mm'], allow_failed_imports=False)
-# ImageNet-1k NaLaFormer-S weights. There are no public ones: train nalaformer-s_in1k (or
-# place an official-format file, {'model': ..., 'model_ema': ...}, here; EMA weights are preferred).
-pretrained = 'checkpoints/nalaformer_s.pth'
 model = dict(
-    backbone=dict(
-        _delete_=True,
-        type='NaLaFormer',
-        arch='s',
-        drop_path_rate=0.15,  # not stated in the paper; the ImageNet value
-        out_indices=(0, 1, 2, 3),
-        norm_eval=True,  # BatchNorm of the stem / patch merging frozen (2 images per GPU)
-        init_cfg=dict(type='Pretrained', checkpoint=pretrained)),
+    backbone={{_base_.nalaformer_s_backbone}},
     neck=dict(in_channels=[64, 128, 320, 512]))
 optim_wrapper = dict(
     _delete_=True,

@@ -1,18 +1,14 @@
 # Semantic FPN, 40k iterations on ADE20K (512x512 crops) with a Pola-PVT-T backbone. Paper: AdamW
 # lr 2e-4, "wd 1e-3" (printed; the standard PVT Semantic FPN recipe, used here, has wd 1e-4),
 # poly decay 0.9, batch 4 x 8 GPUs.
-_base_ = ['mmseg::poolformer/fpn_poolformer_s12_8xb4-40k_ade20k-512x512.py', '../_base_/linattn_no_decay.py']
+_base_ = [
+    'mmseg::poolformer/fpn_poolformer_s12_8xb4-40k_ade20k-512x512.py',
+    '../_base_/linattn_no_decay.py',
+    './_base_/backbones.py',
+]
 custom_imports = dict(imports=['linattn_mm'], allow_failed_imports=False)
-pretrained = 'checkpoints/pola_pvt_t.pth'  # official ImageNet-1k Pola weights (HuggingFace ZachMeng/PolaFormer; no URL verified): put the file here
 model = dict(
-    backbone=dict(
-        _delete_=True,
-        type='LinAttnPVT',
-        arch='t',
-        attn_cfg=dict(type='PolaLinearAttention', qkv_layout='qg_kv', la_sr_ratio=1),
-        drop_path_rate=0.1,
-        out_indices=(0, 1, 2, 3),
-        init_cfg=dict(type='Pretrained', checkpoint=pretrained)),
+    backbone={{_base_.pola_pvt_t_backbone}},
     neck=dict(in_channels=[64, 128, 320, 512]))
 optim_wrapper = dict(
     _delete_=True,

@@ -2,18 +2,14 @@
 # AdamW lr 1e-4, wd 1e-4, 1333x800). The PVT RetinaNet recipe trains with a static fp16 loss scale
 # of 512 (mmdet 2.x fp16=dict(loss_scale=512.)); here: --amp, or optim_wrapper type
 # 'AmpOptimWrapper' with loss_scale=512.
-_base_ = ['mmdet::pvt/retinanet_pvt-t_fpn_1x_coco.py', '../_base_/linattn_no_decay.py']
+_base_ = [
+    'mmdet::pvt/retinanet_pvt-t_fpn_1x_coco.py',
+    '../_base_/linattn_no_decay.py',
+    './_base_/backbones.py',
+]
 custom_imports = dict(imports=['linattn_mm'], allow_failed_imports=False)
-pretrained = 'checkpoints/pola_pvt_t.pth'  # official ImageNet-1k Pola weights (HuggingFace ZachMeng/PolaFormer; no URL verified): put the file here
 model = dict(
-    backbone=dict(
-        _delete_=True,
-        type='LinAttnPVT',
-        arch='t',
-        attn_cfg=dict(type='PolaLinearAttention', qkv_layout='qg_kv', la_sr_ratio=1),
-        drop_path_rate=0.1,
-        out_indices=(0, 1, 2, 3),
-        init_cfg=dict(type='Pretrained', checkpoint=pretrained)),
+    backbone={{_base_.pola_pvt_t_backbone}},
     neck=dict(in_channels=[64, 128, 320, 512]))
 optim_wrapper = dict(
     _delete_=True,

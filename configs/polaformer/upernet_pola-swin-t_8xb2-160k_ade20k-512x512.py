@@ -3,27 +3,12 @@
 # "lr 2e-4, wd 1e-3" is stated for segmentation in general and matches neither standard recipe).
 _base_ = [
     'mmseg::swin/swin-tiny-patch4-window7-in1k-pre_upernet_8xb2-160k_ade20k-512x512.py',
-    '../_base_/linattn_no_decay.py'
+    '../_base_/linattn_no_decay.py',
+    './_base_/backbones.py',
 ]
 custom_imports = dict(imports=['linattn_mm'], allow_failed_imports=False)
-pretrained = 'checkpoints/pola_swin_t.pth'  # official ImageNet-1k Pola weights (HuggingFace ZachMeng/PolaFormer; no URL verified): put the file here
-# Stages 1-2: global Pola attention on the whole map (the official window 56 is the whole map at
-# 224; at 1333x800 the stage-1 map is ~200x334, O(N d^2)); position encodings resized to the input.
-# Stages 3-4: Swin window-7 (shifted) softmax attention.
-pola_attn = dict(type='PolaLinearAttention', qkv_layout='qkvg', alpha=4, kernel_size=5)
 model = dict(
-    backbone=dict(
-        _delete_=True,
-        type='LinAttnSwin',
-        arch='t',
-        attn_cfg=[
-            pola_attn, pola_attn,
-            dict(type='WindowSoftmaxAttention', window_size=7),
-            dict(type='WindowSoftmaxAttention', window_size=7),
-        ],
-        drop_path_rate=0.2,
-        out_indices=(0, 1, 2, 3),
-        init_cfg=dict(type='Pretrained', checkpoint=pretrained)),
+    backbone={{_base_.pola_swin_t_backbone}},
     decode_head=dict(in_channels=[96, 192, 384, 768]),
     auxiliary_head=dict(in_channels=384))
 optim_wrapper = dict(

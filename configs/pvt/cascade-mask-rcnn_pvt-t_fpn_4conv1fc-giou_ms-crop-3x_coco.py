@@ -2,18 +2,12 @@
 # Swin paper recipe: AdamW lr 1e-4, wd 0.05, 36 epochs. Use --amp for mixed precision.
 _base_ = [
     'mmdet::convnext/cascade-mask-rcnn_convnext-t-p4-w7_fpn_4conv1fc-giou_amp-ms-crop-3x_coco.py',
-    '../_base_/linattn_no_decay.py'
+    '../_base_/linattn_no_decay.py',
+    './_base_/backbones.py',
 ]
 custom_imports = dict(imports=['linattn_mm'], allow_failed_imports=False)
-pretrained = 'https://github.com/whai362/PVT/releases/download/v2/pvt_tiny.pth'  # official ImageNet-1k weights
 model = dict(
-    backbone=dict(
-        _delete_=True,
-        type='LinAttnPVT',
-        arch='t',
-        drop_path_rate=0.1,
-        out_indices=(0, 1, 2, 3),
-        init_cfg=dict(type='Pretrained', checkpoint=pretrained)),
+    backbone={{_base_.pvt_t_backbone}},
     neck=dict(in_channels=[64, 128, 320, 512]))
 optim_wrapper = dict(
     _delete_=True,

@@ -2,18 +2,12 @@
 # linear warm-up 1500 iterations, poly decay, batch 2 x 8 GPUs).
 _base_ = [
     'mmseg::swin/swin-tiny-patch4-window7-in1k-pre_upernet_8xb2-160k_ade20k-512x512.py',
-    '../_base_/linattn_no_decay.py'
+    '../_base_/linattn_no_decay.py',
+    './_base_/backbones.py',
 ]
 custom_imports = dict(imports=['linattn_mm'], allow_failed_imports=False)
-pretrained = 'https://github.com/whai362/PVT/releases/download/v2/pvt_v2_b0.pth'  # official ImageNet-1k weights
 model = dict(
-    backbone=dict(
-        _delete_=True,
-        type='LinAttnPVTv2',
-        arch='b0',
-        drop_path_rate=0.1,
-        out_indices=(0, 1, 2, 3),
-        init_cfg=dict(type='Pretrained', checkpoint=pretrained)),
+    backbone={{_base_.pvtv2_b0_backbone}},
     decode_head=dict(in_channels=[32, 64, 160, 256]),
     auxiliary_head=dict(in_channels=160))
 optim_wrapper = dict(

@@ -1,16 +1,13 @@
 # Semantic FPN, 40k iterations on ADE20K with a Swin-T backbone (PVT recipe: AdamW lr 2e-4,
 # wd 1e-4, poly 0.9, batch 4 x 8 GPUs).
-_base_ = ['mmseg::poolformer/fpn_poolformer_s12_8xb4-40k_ade20k-512x512.py', '../_base_/linattn_no_decay.py']
+_base_ = [
+    'mmseg::poolformer/fpn_poolformer_s12_8xb4-40k_ade20k-512x512.py',
+    '../_base_/linattn_no_decay.py',
+    './_base_/backbones.py',
+]
 custom_imports = dict(imports=['linattn_mm'], allow_failed_imports=False)
-pretrained = 'https://github.com/SwinTransformer/storage/releases/download/v1.0.0/swin_tiny_patch4_window7_224.pth'  # official ImageNet-1k weights
 model = dict(
-    backbone=dict(
-        _delete_=True,
-        type='LinAttnSwin',
-        arch='t',
-        drop_path_rate=0.2,
-        out_indices=(0, 1, 2, 3),
-        init_cfg=dict(type='Pretrained', checkpoint=pretrained)),
+    backbone={{_base_.swin_t_backbone}},
     neck=dict(in_channels=[96, 192, 384, 768]))
 optim_wrapper = dict(
     _delete_=True,

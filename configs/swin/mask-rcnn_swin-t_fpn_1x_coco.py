@@ -1,15 +1,12 @@
 # Mask R-CNN 1x with a Swin-T backbone (stock mmdet Swin recipe: AdamW lr 1e-4).
-_base_ = ['mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py', '../_base_/linattn_no_decay.py']
+_base_ = [
+    'mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py',
+    '../_base_/linattn_no_decay.py',
+    './_base_/backbones.py',
+]
 custom_imports = dict(imports=['linattn_mm'], allow_failed_imports=False)
-pretrained = 'https://github.com/SwinTransformer/storage/releases/download/v1.0.0/swin_tiny_patch4_window7_224.pth'  # official ImageNet-1k weights
 model = dict(
-    backbone=dict(
-        _delete_=True,
-        type='LinAttnSwin',
-        arch='t',
-        drop_path_rate=0.2,
-        out_indices=(0, 1, 2, 3),
-        init_cfg=dict(type='Pretrained', checkpoint=pretrained)),
+    backbone={{_base_.swin_t_backbone}},
     neck=dict(in_channels=[96, 192, 384, 768]))
 optim_wrapper = dict(
     _delete_=True,

@@ -2,18 +2,12 @@
 # linear warm-up 1500 iterations, poly decay, batch 2 x 8 GPUs).
 _base_ = [
     'mmseg::swin/swin-tiny-patch4-window7-in1k-pre_upernet_8xb2-160k_ade20k-512x512.py',
-    '../_base_/linattn_no_decay.py'
+    '../_base_/linattn_no_decay.py',
+    './_base_/backbones.py',
 ]
 custom_imports = dict(imports=['linattn_mm'], allow_failed_imports=False)
-pretrained = 'https://github.com/SwinTransformer/storage/releases/download/v1.0.0/swin_tiny_patch4_window7_224.pth'  # official ImageNet-1k weights
 model = dict(
-    backbone=dict(
-        _delete_=True,
-        type='LinAttnSwin',
-        arch='t',
-        drop_path_rate=0.2,
-        out_indices=(0, 1, 2, 3),
-        init_cfg=dict(type='Pretrained', checkpoint=pretrained)),
+    backbone={{_base_.swin_t_backbone}},
     decode_head=dict(in_channels=[96, 192, 384, 768]),
     auxiliary_head=dict(in_channels=384))
 optim_wrapper = dict(
