@@ -55,3 +55,42 @@ def build_runner(cfg):
     if 'runner_type' in cfg:
         return RUNNERS.build(cfg)
     return Runner.from_cfg(cfg)
+
+
+def _checkpoint_number(name):
+    import re
+    m = re.fullmatch(r'(?:epoch|iter)_(\d+)\.pth', name)
+    return int(m.group(1)) if m else None
+
+
+def is_complete_checkpoint(path):
+    """True when ``path`` is a whole torch zip checkpoint (a run killed while saving leaves a
+    truncated file behind)."""
+    import zipfile
+    try:
+        with zipfile.ZipFile(path) as zf:
+            return zf.testzip() is None
+    except (zipfile.BadZipFile, OSError, EOFError):
+        return False
+
+
+def find_resume_checkpoint(work_dir):
+    """The newest complete ``epoch_*.pth`` / ``iter_*.pth`` in ``work_dir`` (mmengine's
+    ``last_checkpoint`` pointer first when it names a complete file), or None."""
+    if not osp.isdir(work_dir):
+        return None
+    pointer = osp.join(work_dir, 'last_checkpoint')
+    candidates = []
+    if osp.isfile(pointer):
+        with open(pointer) as f:
+            candidates.append(f.read().strip())
+    numbered = [(n, f) for f in os.listdir(work_dir)
+                for n in [_checkpoint_number(f)] if n is not None]
+    candidates += [osp.join(work_dir, f) for _, f in sorted(numbered, reverse=True)]
+    best = None
+    for path in candidates:
+        if osp.isfile(path) and is_complete_checkpoint(path):
+            n = _checkpoint_number(osp.basename(path))
+            if best is None or (n or -1) > (_checkpoint_number(osp.basename(best)) or -1):
+                best = path
+    return best

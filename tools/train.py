@@ -8,7 +8,7 @@ import argparse
 
 import linattn_mm  # noqa: F401  (registers the backbones, allow-lists safe checkpoint objects)
 from linattn_mm.runner import (add_common_args, apply_launcher_defaults, build_runner,
-                               load_config, parse_with_common)
+                               find_resume_checkpoint, load_config, parse_with_common)
 
 
 def parse_args(argv=None):
@@ -40,8 +40,14 @@ def main(argv=None):
             raise RuntimeError('--auto-scale-lr needs auto_scale_lr.base_batch_size in the config')
         cfg.auto_scale_lr.enable = True
     if args.resume == 'auto':
+        # the newest complete checkpoint of the work dir: a run killed while saving leaves a
+        # truncated file (and possibly no last_checkpoint pointer) that must not be used
         cfg.resume = True
-        cfg.load_from = None
+        cfg.load_from = find_resume_checkpoint(cfg.work_dir)
+        if cfg.load_from is None:
+            print(f'--resume: no complete checkpoint in {cfg.work_dir}; training from the start')
+        else:
+            print(f'--resume: resuming from {cfg.load_from}')
     elif args.resume is not None:
         cfg.resume = True
         cfg.load_from = args.resume
