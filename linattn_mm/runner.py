@@ -40,11 +40,20 @@ def load_config(args):
 
 
 def apply_launcher_defaults(cfg):
-    """Distributed runs without CUDA use the gloo backend (nccl needs GPUs)."""
-    if cfg.get('launcher', 'none') != 'none' and not torch.cuda.is_available():
-        env = cfg.setdefault('env_cfg', {})
-        dist = env.setdefault('dist_cfg', {})
-        dist['backend'] = 'gloo'
+    """Make multi-process runs work without CUDA: the gloo backend (nccl needs GPUs), the
+    process group created here for the ``pytorch`` (torchrun) launcher (mmengine's own set-up
+    calls ``torch.cuda.set_device``), and DDP without device ids."""
+    if cfg.get('launcher', 'none') == 'none' or torch.cuda.is_available():
+        return cfg
+    env = cfg.setdefault('env_cfg', {})
+    env.setdefault('dist_cfg', {})['backend'] = 'gloo'
+    if cfg.launcher == 'pytorch':
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            dist.init_process_group(backend='gloo')
+    wrapper = dict(cfg.get('model_wrapper_cfg') or dict(type='MMDistributedDataParallel'))
+    wrapper.setdefault('device_ids', None)
+    cfg.model_wrapper_cfg = wrapper
     return cfg
 
 
