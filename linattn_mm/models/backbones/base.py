@@ -79,6 +79,8 @@ class LinAttnBackbone(BaseModule):
 
     #: regexes of checkpoint keys that are dropped (and reported) when loading pretrained weights
     pretrained_ignore_keys = ()
+    #: per-module initialisation applied by ``init_weights`` (the official code's of the family)
+    default_init = staticmethod(init_transformer_weights)
 
     def __init__(self, init_cfg=None, pretrained=None, frozen_stages=-1, norm_eval=False):
         if pretrained is not None:
@@ -103,11 +105,11 @@ class LinAttnBackbone(BaseModule):
         return None
 
     def init_weights(self):
-        """Default (official-code) init, then the mixers' own ``init_weights``, then the
-        ``Pretrained`` checkpoint (if any) through :func:`linattn_mm.checkpoint.load_pretrained`,
+        """Per-module ``default_init`` (the family's official init), then the mixers' own
+        ``init_weights``, then the ``Pretrained`` checkpoint (if any) through :func:`linattn_mm.checkpoint.load_pretrained`,
         which unwraps official / mmpretrain / raw files, resizes size-dependent tensors and
         reports missing and unexpected keys."""
-        self.apply(init_transformer_weights)
+        self.apply(self.default_init)
         pre = self._pretrained_cfg()
         if pre is not None:
             unknown = set(pre) - {'type', 'checkpoint', 'prefix', 'map_location',

@@ -11,7 +11,6 @@ import copy
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint as cp
-from mmengine.model import BaseModule
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from linattn_mm.registry import register_backbone
@@ -315,11 +314,13 @@ class NaLaFormer(LinAttnBackbone):
         else:
             # classification-only parts of official files
             self.pretrained_ignore_keys = (r'^proj\.', r'^norm\.', r'^head\.')
-        self.apply(self._official_init)
+        self.apply(self.default_init)
         self._freeze_stages()
 
     @staticmethod
-    def _official_init(m):
+    def default_init(m):
+        """The official init: convs truncated normal (std 0.02, zero bias), norms ones/zeros,
+        linear layers PyTorch's default."""
         if isinstance(m, nn.Conv2d):
             nn.init.trunc_normal_(m.weight, std=.02)
             if m.bias is not None:
@@ -331,15 +332,6 @@ class NaLaFormer(LinAttnBackbone):
                 nn.init.zeros_(m.bias)
         elif isinstance(m, nn.Linear):
             m.reset_parameters()
-
-    def init_weights(self):
-        """Official init (see the class docstring) when no checkpoint is configured; otherwise the
-        base pipeline loads it (missing keys, e.g. ``extra_norms``, keep ones/zeros)."""
-        if self._pretrained_cfg() is None:
-            self.apply(self._official_init)
-            BaseModule.init_weights(self)
-            return
-        super().init_weights()
 
     def stem_modules(self):
         return [self.patch_embed]
