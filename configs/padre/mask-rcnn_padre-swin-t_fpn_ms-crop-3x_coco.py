@@ -1,20 +1,16 @@
 # Mask R-CNN 3x (36 epochs, multi-scale 480-800 + crop, Swin recipe) with a PADRe-Swin-T backbone;
 # AdamW lr 1e-4, wd 0.05 (Swin detection recipe).
 # PADRe-Swin-T is a plugin design (the paper has no hierarchical backbone and no COCO result).
-# Degree-2 PADRe mixers in every stage; any input size works (no windows, no size-dependent tensors).
+# Backbone: _base_/backbones.py (degree-2 PADRe mixers in every stage).
 # Use --amp for mixed precision (the PADRe products run in float32).
-_base_ = ['mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_ms-crop-3x_coco.py', '../_base_/linattn_no_decay.py']
+_base_ = [
+    'mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_ms-crop-3x_coco.py',
+    '../_base_/linattn_no_decay.py',
+    './_base_/backbones.py',
+]
 custom_imports = dict(imports=['linattn_mm'], allow_failed_imports=False)
-pretrained = 'checkpoints/padre_swin-t.pth'  # ImageNet-1k weights from configs/padre/padre-swin-t_in1k.py (no released PADRe weights): put the file here
 model = dict(
-    backbone=dict(
-        _delete_=True,
-        type='LinAttnSwin',
-        arch='t',
-        attn_cfg=dict(type='PADReMixer', degree=2, kernel_size=11),
-        drop_path_rate=0.2,
-        out_indices=(0, 1, 2, 3),
-        init_cfg=dict(type='Pretrained', checkpoint=pretrained)),
+    backbone={{_base_.padre_swin_t_backbone}},
     neck=dict(in_channels=[96, 192, 384, 768]))
 optim_wrapper = dict(
     _delete_=True,
