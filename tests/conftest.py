@@ -128,3 +128,13 @@ def train_and_test_inprocess(config, work_dir):
         tool_main('test')([config, ckpt, '--work-dir', work_dir, '--cfg-options'] + test_opts)
     metrics = metrics_of(buf.getvalue())
     return metrics, keys
+
+
+def expected_pyramid_hw(H, W, plain_vit=False):
+    """Output grid sizes of a skeleton for an H x W input: strides 4, 8, 16, 32 with ceil
+    rounding (padding), or for the plain ViT the stride-16 grid g mapped to 4g, 2g, g, ceil(g/2)."""
+    import math
+    if plain_vit:
+        h, w = math.ceil(H / 16), math.ceil(W / 16)
+        return [(4 * h, 4 * w), (2 * h, 2 * w), (h, w), (math.ceil(h / 2), math.ceil(w / 2))]
+    return [(math.ceil(H / s), math.ceil(W / s)) for s in (4, 8, 16, 32)]

@@ -1,8 +1,8 @@
 """Skeleton zoo: output shapes for odd sizes, arch zoo, standard backbone arguments."""
-import math
 
 import pytest
 import torch
+from conftest import expected_pyramid_hw
 
 from linattn_mm.models.backbones import LinAttnPVT, LinAttnPVTv2, LinAttnSwin, LinAttnViT
 
@@ -15,15 +15,7 @@ SKELETONS = [
 
 
 def expected_hw(cls, H, W):
-    if cls is LinAttnViT:
-        g = (math.ceil(H / 16), math.ceil(W / 16))
-        return [(4 * g[0], 4 * g[1]), (2 * g[0], 2 * g[1]), g,
-                (math.ceil(g[0] / 2), math.ceil(g[1] / 2))]
-    out, h, w = [], math.ceil(H / 4), math.ceil(W / 4)
-    for _ in range(4):
-        out.append((h, w))
-        h, w = math.ceil(h / 2), math.ceil(w / 2)
-    return out
+    return expected_pyramid_hw(H, W, plain_vit=cls is LinAttnViT)
 
 
 @pytest.fixture(scope='module')

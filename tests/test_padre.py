@@ -1,10 +1,9 @@
 """PADRe: the polynomial mixer against the recursion written out directly (float64, degrees 2-4),
 parameter / FLOP figures of PADRe-DeiT-T next to the paper's, cost linear in tokens (counted),
 arbitrary input sizes through the skeletons and mixed precision with large inputs."""
-import math
-
 import pytest
 import torch
+from conftest import expected_pyramid_hw
 from torch.utils.flop_counter import FlopCounterMode
 
 import linattn_mm  # noqa: F401
@@ -242,11 +241,7 @@ def test_skeleton_output_shapes_at_odd_sizes(build, channels, size):
     m = build().eval()
     with torch.no_grad():
         outs = m(torch.randn(1, 3, *size))
-    if build is _deit_t:  # stride-16 tokens, pyramid x4, x2, x1, /2
-        h, w = math.ceil(size[0] / 16), math.ceil(size[1] / 16)
-        want = [(h * 4, w * 4), (h * 2, w * 2), (h, w), (math.ceil(h / 2), math.ceil(w / 2))]
-    else:
-        want = [(math.ceil(size[0] / s), math.ceil(size[1] / s)) for s in (4, 8, 16, 32)]
+    want = expected_pyramid_hw(*size, plain_vit=build is _deit_t)
     assert [tuple(o.shape[-2:]) for o in outs] == want
     assert [o.shape[1] for o in outs] == list(channels)
     assert all(torch.isfinite(o).all() for o in outs)
