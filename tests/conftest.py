@@ -138,3 +138,15 @@ def expected_pyramid_hw(H, W, plain_vit=False):
         h, w = math.ceil(H / 16), math.ceil(W / 16)
         return [(4 * h, 4 * w), (2 * h, 2 * w), (h, w), (math.ceil(h / 2), math.ceil(w / 2))]
     return [(math.ceil(H / s), math.ceil(W / s)) for s in (4, 8, 16, 32)]
+
+
+def assert_pyramid_outputs(model, size, channels, plain_vit=False):
+    """Run ``model`` (eval, no grad) on a 1x3xHxW input and check the four maps: grid sizes
+    (:func:`expected_pyramid_hw`), channels and finiteness."""
+    import torch
+    torch.manual_seed(0)
+    with torch.no_grad():
+        outs = model.eval()(torch.randn(1, 3, *size))
+    assert [tuple(o.shape[-2:]) for o in outs] == expected_pyramid_hw(*size, plain_vit=plain_vit)
+    assert [o.shape[1] for o in outs] == list(channels)
+    assert all(torch.isfinite(o).all() for o in outs)
