@@ -610,6 +610,22 @@ def resize_positional_encoding(key: str, src: torch.Tensor, dst_shape: torch.Siz
     return _grid_resize(key, src, dst_shape, max_extra=0)
 
 
+@register_resizer(r'(^|\.)attn\.p[12]$')
+def resize_poly_tables(key: str, src: torch.Tensor, dst_shape: torch.Size):
+    """Poly-SA pooling / spreading tables ``(1, E + h*w, heads)`` (E in {0, 1}): bicubic grid
+    resize like a position embedding. ``p2`` is a weighted mean over the grid, so its grid part is
+    also scaled by (checkpoint positions / model positions), keeping its sum."""
+    out, note = _grid_resize(key, src, dst_shape, max_extra=1)
+    if key.endswith('p2'):
+        n_src = _split_tokens(key, src.shape[-2], 1, 'checkpoint')[1] ** 2
+        e_dst, side = _split_tokens(key, dst_shape[-2], 1, 'model')
+        if n_src != side * side:
+            out = out.clone()
+            out[..., e_dst:, :] *= n_src / (side * side)
+            note = '; '.join(n for n in (note, f'grid part scaled by {n_src}/{side * side}') if n)
+    return out, note
+
+
 @register_resizer(r'relative_position_bias_table$')
 def resize_relative_position_bias_table(key: str, src: torch.Tensor, dst_shape: torch.Size):
     """Swin relative position bias tables ``((2W-1)**2, nH)``: each head's ``(2W-1)x(2W-1)`` table

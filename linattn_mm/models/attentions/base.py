@@ -13,6 +13,7 @@ that lists the valid ones.
 import copy
 import inspect
 
+import torch
 import torch.nn as nn
 from mmengine.model import BaseModule
 
@@ -56,6 +57,17 @@ class BaseTokenMixer(BaseModule):
 
     def forward(self, x, hw_shape):  # pragma: no cover - interface
         raise NotImplementedError
+
+
+def run_in_fp32(fn, x, *args, enabled=True, **kwargs):
+    """``fn(x, *args, **kwargs)``; when ``enabled`` and autocast is on for ``x``'s device, with
+    autocast disabled and ``x`` cast to float32 (the result then stays float32: the residual stream
+    of the skeletons is float32 under autocast). Mixers whose products or sums over tokens can
+    leave the float16 range use this for their core."""
+    if enabled and torch.is_autocast_enabled(x.device.type):
+        with torch.autocast(x.device.type, enabled=False):
+            return fn(x.float(), *args, **kwargs)
+    return fn(x, *args, **kwargs)
 
 
 def split_heads(t, num_heads):

@@ -55,7 +55,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from linattn_mm.registry import ATTENTIONS
-from .base import BaseTokenMixer
+from .base import BaseTokenMixer, run_in_fp32
 
 __all__ = ['PADReMixer', 'padre_cost']
 
@@ -190,10 +190,7 @@ class PADReMixer(BaseTokenMixer):
 
         Returns: Tensor (B, N, C) (float32 under autocast when ``fp32``)."""
         self.check_input(x, hw_shape)
-        if self.fp32 and torch.is_autocast_enabled(x.device.type):
-            with torch.autocast(x.device.type, enabled=False):
-                return self._forward(x.float(), hw_shape)
-        return self._forward(x, hw_shape)
+        return run_in_fp32(self._forward, x, hw_shape, enabled=self.fp32)
 
     def _forward(self, x, hw_shape):
         pool = self.num_extra_tokens and self.cls_mode == 'pool'
