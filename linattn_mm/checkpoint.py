@@ -197,6 +197,20 @@ def _unsafe_opt_in(allow_unsafe_pickle: Optional[bool]) -> bool:
     return os.environ.get(UNSAFE_PICKLE_ENV, '').strip().lower() in ('1', 'true', 'yes', 'on')
 
 
+def resolve_model_url(filename):
+    """``torchvision://NAME`` (the mmdet / mmseg shorthand for torchvision's ImageNet weights, e.g.
+    ``torchvision://resnet50``) -> its download URL; anything else unchanged."""
+    if isinstance(filename, str) and filename.startswith('torchvision://'):
+        from mmengine.runner.checkpoint import get_torchvision_models
+        name = filename[len('torchvision://'):]
+        urls = get_torchvision_models()
+        if name not in urls:
+            raise CheckpointError(f"unknown torchvision model '{name}' in '{filename}'; known: "
+                                  f"{', '.join(sorted(urls)[:20])}, ...")
+        return urls[name]
+    return filename
+
+
 def _is_url(filename) -> bool:
     return isinstance(filename, str) and filename.startswith(('http://', 'https://'))
 
@@ -274,8 +288,8 @@ def safe_load(filename, map_location='cpu', allow_unsafe_pickle: Optional[bool] 
     """Load a checkpoint with ``torch.load(weights_only=True)`` after :func:`allow_safe_globals`.
 
     Args:
-        filename: local path (str or ``os.PathLike``) or an ``http(s)://`` URL (downloaded into the
-            torch hub cache by ``torch.hub.load_state_dict_from_url``).
+        filename: local path (str or ``os.PathLike``), an ``http(s)://`` URL (downloaded into the
+            torch hub cache by ``torch.hub.load_state_dict_from_url``) or ``torchvision://NAME``.
         map_location: as for ``torch.load``.
         allow_unsafe_pickle: ``True`` retries a refused file with ``weights_only=False`` (emitting an
             :class:`UnsafePickleWarning`); ``False`` never does; ``None`` (default) follows the
@@ -292,6 +306,7 @@ def safe_load(filename, map_location='cpu', allow_unsafe_pickle: Optional[bool] 
     """
     allow_safe_globals()
     unsafe_ok = _unsafe_opt_in(allow_unsafe_pickle)
+    filename = resolve_model_url(filename)
     if _is_url(filename):
         return _safe_load_url(filename, map_location, unsafe_ok)
 

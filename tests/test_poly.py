@@ -530,3 +530,12 @@ def test_autocast_large_inputs(dtype):
     assert torch.isfinite(out).all() and torch.isfinite(y).all()
     rel = (out.float() - ref).norm() / ref.norm()
     assert rel < (0.05 if dtype == torch.bfloat16 else 0.01), rel
+
+
+def test_torchvision_shorthand_resolves_without_download():
+    from linattn_mm.checkpoint import CheckpointError, resolve_model_url
+    assert resolve_model_url('torchvision://resnet50') == \
+        'https://download.pytorch.org/models/resnet50-0676ba61.pth'
+    assert resolve_model_url('checkpoints/x.pth') == 'checkpoints/x.pth'
+    with pytest.raises(CheckpointError, match="unknown torchvision model 'resnet51'"):
+        resolve_model_url('torchvision://resnet51')

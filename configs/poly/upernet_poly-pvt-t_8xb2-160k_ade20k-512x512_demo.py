@@ -1,0 +1,12 @@
+# upernet_poly-pvt-t_8xb2-160k_ade20k-512x512 on the generated demo data with a tiny schedule (same model, no pretrained weights).
+_base_ = ['./upernet_poly-pvt-t_8xb2-160k_ade20k-512x512.py', '../_base_/demo/ade20k.py']
+train_dataloader = dict(
+    batch_size=4, num_workers=0, persistent_workers=False,
+    dataset={{_base_.demo_train_dataset}})
+val_dataloader = {{_base_.demo_val_dataloader}}
+test_dataloader = {{_base_.demo_val_dataloader}}
+train_cfg = {{_base_.demo_train_cfg}}
+param_scheduler = {{_base_.demo_param_scheduler}}
+optim_wrapper = {{_base_.demo_optim_wrapper}}
+default_hooks = {{_base_.demo_default_hooks}}
+model = {{_base_.demo_model}}
