@@ -29,8 +29,9 @@ _BACKBONES = []
 
 
 def register_backbone(cls):
-    """Class decorator: register a backbone in linattn_mm's ``MODELS`` and remember it for the
-    downstream registries."""
+    """Class decorator: register a backbone (or a block that downstream configs name, such as the
+    ResNet plugin ``PolyNL2d``) in linattn_mm's ``MODELS`` and remember it for the downstream
+    registries."""
     MODELS.register_module(module=cls)
     _BACKBONES.append(cls)
     return cls
