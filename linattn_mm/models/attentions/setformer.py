@@ -1,0 +1,532 @@
+"""SeT: self-optimal-transport attention (Shamsolmoali et al., *SeTformer is What You Need for
+Vision and Language*, AAAI 2024, arXiv 2401.03540).
+
+No official code exists; this is written from the paper text, with every choice the paper leaves
+open exposed as an argument (defaults and reasons: the developer spec ``spec/setformer.md`` §1.2 and
+``docs/model_zoo/setformer.md``). Per head, for tokens x_1..x_n (head slice of d channels) and a
+learnable reference set y_1..y_m::
+
+    S_ij   = k(x_i, y_j)                        kernel similarity (cost C = -S)
+             Gaussian on L2-normalised vectors: k = exp((<x̂, ŷ> - 1) / sigma²)
+             or its Nyström approximation with k anchors z: k_z(x,z) (K_zz + λI)^-1 k_z(z,y)
+    logK   = S / eps  [+ log M]                 Gibbs kernel; M_ij = exp(-(i/n - j/m)² / tau)
+    T      = Sinkhorn(K; rows 1/n, cols 1/m)    entropic OT plan (n×m), log domain
+    A      = n·m · T Tᵀ                         self-kernel of Eq. 4 with x' = x: n×n, symmetric,
+                                                non-negative, doubly stochastic (never formed)
+    out    = proj( A V ),  V = W_v x            computed right to left: T (Tᵀ V), O(n·m·d)
+
+Cost per head: O(n·m·(d + L)) time for L Sinkhorn iterations and O(n·m) memory; no n×n tensor is
+ever formed. The unrolled Sinkhorn loop is differentiated exactly through a custom log-sum-exp step
+that stores no per-iteration n×m tensor (the backward recomputes the soft-max of each step from the
+shared log-kernel), so training memory does not grow with L either.
+
+Kernel maths lives in plain functions (:func:`gaussian_kernel`, :func:`nystrom_similarity`,
+:func:`positional_log_kernel`, :func:`log_sinkhorn`, :func:`transport_plan`,
+:func:`self_transport_attention`, :func:`spherical_kmeans`) so they can be tested alone and get
+faster paths later; :class:`SeTAttention` wires them together.
+"""
+import math
+
+import torch
+import torch.nn as nn
+from torch.autograd.function import once_differentiable
+
+from linattn_mm.registry import ATTENTIONS
+from .base import BaseTokenMixer, merge_heads, split_heads
+
+__all__ = [
+    'SeTAttention', 'gaussian_kernel', 'nystrom_similarity', 'positional_log_kernel',
+    'log_sinkhorn', 'transport_plan', 'self_transport_attention', 'spherical_kmeans',
+    'setformer_cost', 'resize_refs'
+]
+
+
+# -------------------------------------------------------------------------------------------------
+# kernel maths (plain functions)
+# -------------------------------------------------------------------------------------------------
+def gaussian_kernel(t, sigma):
+    """κ(t) = exp((t - 1) / σ²) of cosine similarities t (the Gaussian kernel on the unit sphere:
+    exp(-‖x̂ - ŷ‖² / (2σ²)) = κ(<x̂, ŷ>)). Values in [exp(-2/σ²), 1]."""
+    return torch.exp((t - 1.) / (sigma * sigma))
+
+
+def nystrom_similarity(x_hat, y_hat, z_hat, sigma, reg=1e-3):
+    """Nyström approximation of the Gaussian kernel through anchors ``z``:
+    ``S = κ(x̂ ẑᵀ) (κ(ẑ ẑᵀ) + reg·I)^-1 κ(ẑ ŷᵀ)``.
+
+    The paper's features are ``v(x) = κ(ZZᵀ)^-1/2 κ(Z x)``; here the symmetric inverse square root
+    is replaced by the (equivalent for the similarities, better conditioned for gradients) inverse
+    Cholesky factor: ``v(x) = L^-1 κ(Z x)`` with ``L Lᵀ = κ(ZZᵀ) + reg·I``, so ``<v(x), v(y)>`` is
+    the same.
+
+    Args:
+        x_hat (Tensor): (..., n, d) unit vectors. y_hat (Tensor): (..., m, d) unit vectors.
+        z_hat (Tensor): (..., k, d) unit anchors (broadcast against x_hat / y_hat).
+        sigma (float): Gaussian bandwidth. reg (float): ridge added to κ(ZZᵀ).
+
+    Returns:
+        Tensor (..., n, m).
+    """
+    k = z_hat.shape[-2]
+    kzz = gaussian_kernel(z_hat @ z_hat.transpose(-1, -2), sigma)
+    kzz = kzz + reg * torch.eye(k, dtype=kzz.dtype, device=kzz.device)
+    chol = torch.linalg.cholesky(kzz)  # (..., k, k), lower
+    # v = L^-1 κ(Z x) as rows: solve L vᵀ = κ(Z x)ᵀ
+    fx = gaussian_kernel(x_hat @ z_hat.transpose(-1, -2), sigma)  # (..., n, k)
+    fy = gaussian_kernel(y_hat @ z_hat.transpose(-1, -2), sigma)  # (..., m, k)
+    vx = torch.linalg.solve_triangular(chol, fx.transpose(-1, -2), upper=False)  # (..., k, n)
+    vy = torch.linalg.solve_triangular(chol, fy.transpose(-1, -2), upper=False)  # (..., k, m)
+    return vx.transpose(-1, -2) @ vy
+
+
+def positional_log_kernel(hw_shape, num_refs, tau, num_extra_tokens=0, device=None,
+                          dtype=torch.float32):
+    """log M with ``M_ij = exp(-(i/n - j/m)² / tau)`` (paper §SeT, "linear positional encoding").
+
+    ``i`` is the row-major (raster) index of a grid token, ``n = H·W``, ``j`` the reference index,
+    both 0-based. Extra (class) tokens have no position: their rows are 0 (M = 1).
+
+    Returns:
+        Tensor (num_extra_tokens + H·W, num_refs).
+    """
+    H, W = hw_shape
+    n = H * W
+    pi = torch.arange(n, device=device, dtype=dtype) / n
+    pj = torch.arange(num_refs, device=device, dtype=dtype) / num_refs
+    log_m = -(pi[:, None] - pj[None, :]).square() / tau
+    if num_extra_tokens:
+        log_m = torch.cat([log_m.new_zeros(num_extra_tokens, num_refs), log_m], 0)
+    return log_m
+
+
+class _LseStep(torch.autograd.Function):
+    """``logsumexp(log_k + pot, dim)`` where ``pot`` is broadcast along the reduced dimension's
+    complement: ``dim=-1`` (row step) takes ``pot`` of shape (..., m), ``dim=-2`` (column step)
+    ``pot`` of shape (..., n). Saves only ``log_k`` (shared by every step of the loop), ``pot`` and
+    the result; the backward recomputes the soft-max, so an unrolled L-step loop keeps O(n·m + L·(n
+    + m)) memory instead of O(L·n·m)."""
+
+    @staticmethod
+    def forward(ctx, log_k, pot, dim):
+        z = log_k + (pot.unsqueeze(-2) if dim == -1 else pot.unsqueeze(-1))
+        out = torch.logsumexp(z, dim=dim)
+        ctx.dim = dim
+        ctx.save_for_backward(log_k, pot, out)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        log_k, pot, out = ctx.saved_tensors
+        if ctx.dim == -1:
+            p = log_k + pot.unsqueeze(-2)
+            p.sub_(out.unsqueeze(-1)).exp_().mul_(grad_out.unsqueeze(-1))
+            grad_pot = p.sum(-2)
+        else:
+            p = log_k + pot.unsqueeze(-1)
+            p.sub_(out.unsqueeze(-2)).exp_().mul_(grad_out.unsqueeze(-2))
+            grad_pot = p.sum(-1)
+        grad_k = p if ctx.needs_input_grad[0] else None
+        if grad_k is not None and grad_k.shape != log_k.shape:  # log_k was broadcast
+            grad_k = grad_k.sum_to_size(log_k.shape)
+        if grad_pot.shape != pot.shape:
+            grad_pot = grad_pot.sum_to_size(pot.shape)
+        return grad_k, (grad_pot if ctx.needs_input_grad[1] else None), None
+
+
+def _lse_step(log_k, pot, dim):
+    if torch.is_grad_enabled() and (log_k.requires_grad or pot.requires_grad):
+        return _LseStep.apply(log_k, pot, dim)
+    z = log_k + (pot.unsqueeze(-2) if dim == -1 else pot.unsqueeze(-1))
+    return torch.logsumexp(z, dim=dim)
+
+
+def log_sinkhorn(log_k, row_log_marginal, col_log_marginal, num_iters):
+    """Log-domain Sinkhorn matrix scaling with uniform (or masked) marginals.
+
+    Finds potentials ``f`` (..., n), ``g`` (..., m) such that ``T = exp(log_k + f ⊕ g)`` has row
+    sums ``exp(row_log_marginal)`` and column sums ``exp(col_log_marginal)``. Each iteration is a
+    row update then a column update (both O(n·m)); the loop **ends with the column update**, so
+    the column marginals are exact (to rounding) and the row marginals carry the remaining error.
+
+    Args:
+        log_k (Tensor): (..., n, m) log Gibbs kernel (``-C / eps``, plus a log positional term).
+        row_log_marginal (Tensor): (..., n), broadcastable; ``-inf`` rows (padding) get no mass.
+        col_log_marginal (Tensor): (..., m), broadcastable.
+        num_iters (int): number of (row, column) iterations, >= 1.
+
+    Returns:
+        tuple[Tensor, Tensor]: ``f`` (..., n) and ``g`` (..., m).
+    """
+    if num_iters < 1:
+        raise ValueError(f'log_sinkhorn: num_iters must be >= 1, got {num_iters}')
+    batch = log_k.shape[:-2]
+    g = log_k.new_zeros(batch + log_k.shape[-1:])
+    f = None
+    for _ in range(num_iters):
+        f = row_log_marginal - _lse_step(log_k, g, -1)
+        g = col_log_marginal - _lse_step(log_k, f, -2)
+    return f, g
+
+
+def transport_plan(log_k, f, g, log_plan_extra=None):
+    """``T = exp(log_k + f ⊕ g [+ log_plan_extra])`` (the positional term applied on the plan for
+    ``position='plan'``/``'both'``)."""
+    z = log_k + f.unsqueeze(-1) + g.unsqueeze(-2)
+    if log_plan_extra is not None:
+        z = z + log_plan_extra
+    return z.exp()
+
+
+def self_transport_attention(plan, v, row_normalize=True, scale=None, valid=None):
+    """Apply the rank-m self-kernel attention ``A = c·T Tᵀ`` to values without forming it.
+
+    ``out = T (Tᵀ [V, 1])`` in one right-to-left pass (O(n·m·d)); the extra ones column gives the
+    row sums ``r = T (Tᵀ 1)`` of ``T Tᵀ``.
+
+    Args:
+        plan (Tensor): (..., n, m) transport plan T.
+        v (Tensor): (..., n, d) values.
+        row_normalize (bool): divide by ``r`` (rows of the attention sum to 1 exactly; equals the
+            constant ``c = n·m`` when the Sinkhorn marginals are exact). False: multiply by
+            ``scale``.
+        scale (Tensor | float): the constant ``c`` (e.g. ``n_valid·m``) when not row-normalising.
+        valid (Tensor, optional): (..., n, 1) bool, False for padded rows (their output is 0).
+
+    Returns:
+        Tensor (..., n, d).
+    """
+    d = v.shape[-1]
+    v1 = torch.cat([v, v.new_ones(v.shape[:-1] + (1, ))], dim=-1)
+    out = plan @ (plan.transpose(-1, -2) @ v1)
+    num, den = out[..., :d], out[..., d:]
+    if row_normalize:
+        if valid is not None:
+            den = torch.where(valid, den, torch.ones_like(den))
+        num = num / den
+    else:
+        num = num * scale
+    if valid is not None:
+        num = num.masked_fill(~valid, 0.)
+    return num
+
+
+@torch.no_grad()
+def spherical_kmeans(points, num_clusters, num_iters=20, generator=None):
+    """Spherical K-means (cosine similarity) of ``points`` (..., P, d) into ``num_clusters`` unit
+    centroids, independently for each leading index (e.g. each head). Initialisation: k-means++
+    seeding (D² sampling with the cosine distance) drawn with ``generator`` (deterministic given
+    its seed); an empty cluster keeps its previous centroid.
+
+    Returns:
+        tuple[Tensor, Tensor]: centroids (..., K, d) (unit norm) and the final within-cluster
+        cost ``sum_p (1 - max_k <p̂, c_k>)`` (...,).
+    """
+    pts = nn.functional.normalize(points.float(), dim=-1)
+    lead, P, d = pts.shape[:-2], pts.shape[-2], pts.shape[-1]
+    if P < num_clusters:
+        raise ValueError(f'spherical_kmeans: {P} points cannot seed {num_clusters} clusters; '
+                         f'use more tokens (batch or image size)')
+    flat = pts.reshape(-1, P, d)
+    cents = []
+    for i in range(flat.shape[0]):  # k-means++ seeding (D² sampling with the cosine distance)
+        first = torch.randint(P, (1, ), generator=generator).item()
+        chosen = [first]
+        best = flat[i] @ flat[i, first]
+        for _ in range(num_clusters - 1):
+            w = (1 - best).clamp_min(0).cpu().double() + 1e-12
+            nxt = torch.multinomial(w, 1, generator=generator).item()
+            chosen.append(nxt)
+            best = torch.maximum(best, flat[i] @ flat[i, nxt])
+        cents.append(flat[i, chosen])
+    cent = torch.stack(cents)  # (G, K, d)
+    for _ in range(num_iters):
+        assign = (flat @ cent.transpose(-1, -2)).argmax(-1)  # (G, P)
+        sums = torch.zeros_like(cent).scatter_add_(
+            1, assign.unsqueeze(-1).expand(-1, -1, d), flat)
+        norm = sums.norm(dim=-1, keepdim=True)
+        cent = torch.where(norm > 0, sums / norm.clamp_min(1e-12), cent)
+    cost = (1 - (flat @ cent.transpose(-1, -2)).amax(-1)).sum(-1)
+    return cent.reshape(lead + (num_clusters, d)), cost.reshape(lead)
+
+
+def setformer_cost(num_tokens, embed_dims, num_heads, num_refs, num_iters, kernel='gaussian',
+                   num_anchors=64, cost_features='x'):
+    """Analytic multiply-accumulate count of one :class:`SeTAttention` forward (exp / log /
+    elementwise ops counted as 0 MACs, like fvcore).
+
+    Returns:
+        dict: ``linear`` (projections), ``similarity`` (n·m·C, or the Nyström products),
+        ``aggregate`` (T(Tᵀ[V,1]): 2·n·m·(d+1) per head), ``sinkhorn_elements`` (n·m·h·2L
+        log-sum-exp element evaluations, not MACs) and ``total`` (MACs).
+    """
+    n, C, h, m = num_tokens, embed_dims, num_heads, num_refs
+    d = C // h
+    linear = (3 if cost_features == 'key' else 2) * n * C * C
+    if kernel == 'gaussian':
+        sim = n * m * C
+    else:
+        k = num_anchors
+        sim = h * (n * k * d + m * k * d + k * k * d + k ** 3 // 3 + (n + m) * k * k + n * m * k)
+    aggregate = 2 * h * n * m * (d + 1)
+    return dict(linear=linear, similarity=sim, aggregate=aggregate,
+                sinkhorn_elements=2 * num_iters * h * n * m, total=linear + sim + aggregate)
+
+
+def resize_refs(src, num_refs, generator=None):
+    """Adapt a reference set (h, m_src, d) to ``num_refs`` references (checkpoint reuse across the
+    paper's m = 500 / 750 / 800): fewer -> spherical K-means of the source references (seeded by
+    ``generator``); more -> all source references plus copies of them (cyclic) perturbed by
+    Gaussian noise of 1/10 of their RMS norm (deterministic with ``generator``)."""
+    h, m_src, d = src.shape
+    if num_refs == m_src:
+        return src.clone()
+    if num_refs < m_src:
+        cent, _ = spherical_kmeans(src, num_refs, generator=generator)
+        scale = src.float().norm(dim=-1).mean(-1)[:, None, None]
+        return (cent * scale).to(src.dtype)
+    extra = num_refs - m_src
+    idx = torch.arange(extra) % m_src
+    base = src[:, idx].float()
+    rms = src.float().norm(dim=-1).pow(2).mean().sqrt() / math.sqrt(d)
+    noise = torch.randn(base.shape, generator=generator) * 0.1 * rms
+    return torch.cat([src.float(), base + noise.to(base.device)], 1).to(src.dtype)
+
+
+# -------------------------------------------------------------------------------------------------
+# the module
+# -------------------------------------------------------------------------------------------------
+@ATTENTIONS.register_module()
+class SeTAttention(BaseTokenMixer):
+    """Self-optimal-transport attention (SeT), global (not windowed), multi-head.
+
+    Args:
+        embed_dims (int): channels C.
+        num_heads (int): heads h (d = C / h channels each).
+        num_refs (int): references m per head. Default 500 (paper, ImageNet; 750 COCO, 800 ADE20K).
+        eps (float): entropic regularisation ε. Default 0.1 (ImageNet; 0.3 COCO / ADE20K).
+        num_iters (int): Sinkhorn iterations L (row + column update each). Default 30: at the
+            defaults the row marginals are then within 1e-4 (the columns are exact, the loop ends
+            with the column update) for the sharpest plans met in the tests (tokens clustered
+            around the references), see ``tests/test_setformer.py``. The paper gives no value
+            (OTK: 10-100).
+        tau (float, optional): positional bandwidth τ of ``M_ij = exp(-(i/n - j/m)²/τ)``. Default
+            0.5 (ImageNet; 0.8 COCO / ADE20K). ``None`` disables the positional term.
+        position (str): where M enters: ``'kernel'`` (default: multiplies the Gibbs kernel before
+            Sinkhorn, i.e. a cost term, the plan keeps its marginals), ``'plan'`` (multiplies the
+            plan after Sinkhorn, as the paper's wording "multiplied into T"), ``'both'`` (OTK).
+        kernel (str): ``'gaussian'`` (default: exact κ(t) = exp((t-1)/σ²) on L2-normalised head
+            features and references) or ``'nystrom'`` (Nyström approximation through
+            ``num_anchors`` learnable anchors, paper Eq. 5).
+        sigma (float): Gaussian bandwidth σ. Default 0.5 (OTK / CKN default); κ ∈ [e^-8, 1].
+        num_anchors (int): Nyström anchors k (``kernel='nystrom'``). Default 64.
+        nystrom_reg (float): ridge λ added to κ(ZZᵀ) before its factorisation. Default 1e-3.
+        cost_features (str): features compared with the references: ``'x'`` (default: the head
+            slice of the input tokens; no extra parameter) or ``'key'`` (a W_k Linear(C, C) first).
+        row_normalize (bool): divide the output by the row sums of T Tᵀ (computed right to left),
+            so the attention rows sum to 1 exactly. Default True. False: the constant
+            ``n_valid·m`` (exact only at Sinkhorn convergence, and not with ``position='plan'``).
+        refs_learnable (bool): references (and anchors) are ``nn.Parameter`` (default True) or
+            buffers set only by :meth:`kmeans_init_` (the paper's "K-means centroids"; their
+            count is then not in the parameter count).
+        qkv_bias (bool): bias of the value (and key) projections. Default True.
+        proj_drop (float): dropout after the output projection. Default 0.
+        fp32 (bool): under autocast, run the whole mixer in float32 with autocast disabled (output
+            float32). Default True.
+        num_extra_tokens (int): class tokens before the grid (transported like grid tokens, no
+            positional term). Default 0.
+        init_cfg (dict, optional): mmengine init config.
+
+    Parameters: ``v`` Linear(C, C), ``proj`` Linear(C, C), ``refs`` (h, m, d) (+ ``k`` Linear(C, C)
+    for ``cost_features='key'``, ``anchors`` (h, k, d) for Nyström). ``forward(x, hw_shape,
+    key_padding_mask=None)``: ``key_padding_mask`` (B, N) bool, True = padded token (row marginal
+    0, valid rows 1/n_valid; padded outputs are 0).
+    """
+    POSITIONS = ('kernel', 'plan', 'both')
+    KERNELS = ('gaussian', 'nystrom')
+    COST_FEATURES = ('x', 'key')
+
+    def __init__(self, embed_dims, num_heads, num_refs=500, eps=0.1, num_iters=30, tau=0.5,
+                 position='kernel', kernel='gaussian', sigma=0.5, num_anchors=64,
+                 nystrom_reg=1e-3, cost_features='x', row_normalize=True, refs_learnable=True,
+                 qkv_bias=True, proj_drop=0., fp32=True, num_extra_tokens=0, init_cfg=None):
+        super().__init__(embed_dims, num_heads, num_extra_tokens=num_extra_tokens,
+                         init_cfg=init_cfg)
+        name = type(self).__name__
+        if not (isinstance(num_refs, int) and num_refs >= 1):
+            raise ValueError(f'{name}: num_refs must be a positive int, got {num_refs!r}')
+        if not eps > 0:
+            raise ValueError(f'{name}: eps must be > 0, got {eps!r}')
+        if not (isinstance(num_iters, int) and num_iters >= 1):
+            raise ValueError(f'{name}: num_iters must be an int >= 1, got {num_iters!r}')
+        if tau is not None and not tau > 0:
+            raise ValueError(f'{name}: tau must be > 0 or None, got {tau!r}')
+        if position not in self.POSITIONS:
+            raise ValueError(f'{name}: position must be one of {self.POSITIONS}, got {position!r}')
+        if kernel not in self.KERNELS:
+            raise ValueError(f'{name}: kernel must be one of {self.KERNELS}, got {kernel!r}')
+        if not sigma > 0:
+            raise ValueError(f'{name}: sigma must be > 0, got {sigma!r}')
+        if kernel == 'nystrom' and not (isinstance(num_anchors, int) and num_anchors >= 1):
+            raise ValueError(f'{name}: num_anchors must be a positive int, got {num_anchors!r}')
+        if cost_features not in self.COST_FEATURES:
+            raise ValueError(f'{name}: cost_features must be one of {self.COST_FEATURES}, '
+                             f'got {cost_features!r}')
+        C, h, d = embed_dims, num_heads, self.head_dims
+        self.num_refs = num_refs
+        self.eps = float(eps)
+        self.num_iters = num_iters
+        self.tau = tau
+        self.position = position
+        self.kernel = kernel
+        self.sigma = float(sigma)
+        self.num_anchors = num_anchors if kernel == 'nystrom' else None
+        self.nystrom_reg = float(nystrom_reg)
+        self.cost_features = cost_features
+        self.row_normalize = row_normalize
+        self.refs_learnable = refs_learnable
+        self.fp32 = fp32
+        self.v = nn.Linear(C, C, bias=qkv_bias)
+        self.k = nn.Linear(C, C, bias=qkv_bias) if cost_features == 'key' else None
+        self.proj = nn.Linear(C, C)
+        self.proj_drop = nn.Dropout(proj_drop)
+        self._add_set('refs', torch.randn(h, num_refs, d))
+        if kernel == 'nystrom':
+            self._add_set('anchors', torch.randn(h, num_anchors, d))
+
+    def _add_set(self, name, value):
+        if self.refs_learnable:
+            self.register_parameter(name, nn.Parameter(value))
+        else:
+            self.register_buffer(name, value)
+
+    # --- pieces --------------------------------------------------------------------------------
+    def cost_inputs(self, x):
+        """Per-head L2-normalised features compared with the references, (B, h, N, d)."""
+        feats = self.k(x) if self.k is not None else x
+        return nn.functional.normalize(split_heads(feats, self.num_heads), dim=-1)
+
+    def similarity(self, feats):
+        """Kernel similarity S (B, h, N, m) of normalised features and references."""
+        refs = nn.functional.normalize(self.refs, dim=-1)
+        if self.kernel == 'gaussian':
+            return gaussian_kernel(feats @ refs.transpose(-1, -2), self.sigma)
+        anchors = nn.functional.normalize(self.anchors, dim=-1)
+        return nystrom_similarity(feats, refs, anchors, self.sigma, self.nystrom_reg)
+
+    def _marginals(self, x, key_padding_mask):
+        B, N = x.shape[0], x.shape[-2]
+        m = self.num_refs
+        col = x.new_full((1, 1, 1), -math.log(m))
+        if key_padding_mask is None:
+            return x.new_full((1, 1, 1), -math.log(N)), col, None, float(N)
+        if key_padding_mask.shape != (B, N):
+            raise ValueError(f'{type(self).__name__}: key_padding_mask must have shape '
+                             f'({B}, {N}), got {tuple(key_padding_mask.shape)}')
+        pad = key_padding_mask.bool()
+        # a sample with no valid token is transported unmasked and its outputs zeroed
+        pad_ot = pad & ~pad.all(-1, keepdim=True)
+        n_valid = (~pad_ot).sum(-1).to(x.dtype)  # (B,)
+        row = (-n_valid.log())[:, None].expand(B, N).masked_fill(pad_ot, float('-inf'))
+        return row[:, None], col, ~pad, n_valid[:, None, None, None]
+
+    def _plan(self, x, hw_shape, key_padding_mask=None):
+        """(plan T (B, h, N, m), valid mask (B, 1, N, 1) or None, n_valid)."""
+        S = self.similarity(self.cost_inputs(x))
+        log_k = S / self.eps
+        log_m = None
+        if self.tau is not None:
+            log_m = positional_log_kernel(hw_shape, self.num_refs, self.tau,
+                                          self.num_extra_tokens, x.device, log_k.dtype)
+            if self.position in ('kernel', 'both'):
+                log_k = log_k + log_m
+        row, col, valid, n_valid = self._marginals(log_k, key_padding_mask)  # log_k: (B,h,N,m)
+        f, g = log_sinkhorn(log_k, row, col, self.num_iters)
+        extra = log_m if self.position in ('plan', 'both') else None
+        plan = transport_plan(log_k, f, g, extra)
+        if valid is not None:
+            valid = valid[:, None, :, None]
+        return plan, valid, n_valid
+
+    def _run(self, fn, x, *args):
+        """``fn(x, *args)``, in float32 with autocast disabled under autocast when ``fp32``."""
+        if self.fp32 and torch.is_autocast_enabled(x.device.type):
+            with torch.autocast(x.device.type, enabled=False):
+                return fn(x.float(), *args)
+        return fn(x, *args)
+
+    def transport_plan(self, x, hw_shape, key_padding_mask=None):
+        """The transport plans T (B, h, N, m) of tokens ``x`` (for analysis and tests; float32
+        under autocast when ``fp32``)."""
+        self.check_input(x, hw_shape)
+        return self._run(lambda t, *a: self._plan(t, *a)[0], x, hw_shape, key_padding_mask)
+
+    # --- forward -------------------------------------------------------------------------------
+    def forward(self, x, hw_shape, key_padding_mask=None):
+        """Args: x (Tensor): (B, N, C), N = num_extra_tokens + H*W; hw_shape: (H, W);
+        key_padding_mask (Tensor, optional): (B, N) bool, True = padded.
+
+        Returns: Tensor (B, N, C) (float32 under autocast when ``fp32``)."""
+        self.check_input(x, hw_shape)
+        return self._run(self._forward, x, hw_shape, key_padding_mask)
+
+    def _forward(self, x, hw_shape, key_padding_mask):
+        plan, valid, n_valid = self._plan(x, hw_shape, key_padding_mask)
+        v = split_heads(self.v(x), self.num_heads).to(plan.dtype)
+        out = self_transport_attention(plan, v, self.row_normalize,
+                                       scale=n_valid * self.num_refs, valid=valid)
+        return self.proj_drop(self.proj(merge_heads(out).to(x.dtype)))
+
+    # --- K-means initialisation ----------------------------------------------------------------
+    @torch.no_grad()
+    def kmeans_init_(self, features, num_iters=20, generator=None):
+        """Initialise ``refs`` (and Nyström ``anchors``) per head by spherical K-means of the
+        cost features of a batch of tokens (the paper's "K-means centroids of training
+        features").
+
+        Args:
+            features (Tensor): (B, N, C) tokens as this module receives them (e.g. the normalised
+                block input), all rows used (B·N >= num_refs).
+            num_iters (int): Lloyd iterations. Default 20.
+            generator (torch.Generator, optional): seeds the initial centroids (deterministic).
+
+        Returns:
+            Tensor: the final within-cluster cosine cost per head (h,).
+        """
+        if features.dim() != 3 or features.shape[-1] != self.embed_dims:
+            raise ValueError(f'{type(self).__name__}.kmeans_init_: features must be (B, N, '
+                             f'{self.embed_dims}), got {tuple(features.shape)}')
+        feats = self.cost_inputs(features.to(self.refs.dtype))  # (B, h, N, d)
+        pts = feats.transpose(0, 1).reshape(self.num_heads, -1, self.head_dims)
+        cent, cost = spherical_kmeans(pts, self.num_refs, num_iters, generator)
+        self.refs.copy_(cent.to(self.refs))
+        if self.kernel == 'nystrom':
+            anc, _ = spherical_kmeans(pts, self.num_anchors, num_iters, generator)
+            self.anchors.copy_(anc.to(self.anchors))
+        return cost
+
+    def extra_repr(self):
+        return (f'num_refs={self.num_refs}, eps={self.eps}, num_iters={self.num_iters}, '
+                f'tau={self.tau}, position={self.position!r}, kernel={self.kernel!r}, '
+                f'sigma={self.sigma}, cost_features={self.cost_features!r}')
+
+
+def _register_refs_resizer():
+    """Checkpoints at another m (ImageNet m=500 -> COCO 750 / ADE 800): adapt ``refs`` with
+    :func:`resize_refs` (seeded, deterministic) instead of failing on the shape mismatch."""
+    from linattn_mm.checkpoint import CheckpointError, register_resizer
+
+    @register_resizer(r'attn\.refs$')
+    def resize_setformer_refs(key, src, dst_shape):
+        if src.dim() != 3 or len(dst_shape) != 3 or src.shape[0] != dst_shape[0] or \
+                src.shape[2] != dst_shape[2]:
+            raise CheckpointError(f"'{key}': SeT references {tuple(src.shape)} cannot become "
+                                  f'{tuple(dst_shape)} (heads and head dims must match)')
+        gen = torch.Generator().manual_seed(0)
+        out = resize_refs(src, dst_shape[1], generator=gen)
+        how = 'spherical K-means of the source references' if dst_shape[1] < src.shape[1] else \
+            'source references plus perturbed copies'
+        return out, f'SeT references {src.shape[1]} -> {dst_shape[1]} ({how})'
+
+
+_register_refs_resizer()
