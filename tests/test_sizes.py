@@ -1,0 +1,77 @@
+"""Every backbone family at every input size of the reliability issue, 32x32 up to 800x1344: the
+right number of maps, strides 4/8/16/32 (ceil) and finite values. Small archs (one or two blocks
+per stage) keep the 800x1344 cases cheap; the strides, padding and resizing code paths are those
+of the full models. 2048x2048 is covered by tools/benchmark.py, not here."""
+import pytest
+import torch
+from conftest import expected_pyramid_hw
+
+import linattn_mm  # noqa: F401
+from linattn_mm.models.backbones import LinAttnPVT, LinAttnPVTv2, LinAttnSwin, LinAttnViT
+from linattn_mm.models.backbones.nalaformer import NaLaFormer
+from linattn_mm.models.backbones.resnet_polynl import PolyNLResNet, resnet_output_hw
+from linattn_mm.models.backbones.setformer import SeTformer
+
+SIZES = [(32, 32), (33, 47), (63, 63), (200, 334), (511, 769), (800, 1344)]
+PVT = dict(embed_dims=[16, 32, 40, 64], depths=[1, 1, 1, 1], num_heads=[1, 2, 5, 8],
+           mlp_ratios=[2, 2, 2, 2], sr_ratios=[8, 4, 2, 1])
+SWIN = dict(embed_dims=16, depths=[2, 2, 2, 2], num_heads=[1, 2, 2, 4])
+HIER = dict(embed_dims=[16, 32, 64, 64], depths=[1, 1, 1, 1], num_heads=[1, 2, 2, 4],
+            mlp_ratios=[2, 2, 2, 2])
+
+FAMILIES = {
+    'pvt-softmax': lambda: LinAttnPVT(arch=PVT),
+    'pvtv2-softmax': lambda: LinAttnPVTv2(arch=PVT),
+    'swin-softmax': lambda: LinAttnSwin(arch=SWIN),
+    'deit-softmax': lambda: LinAttnViT(arch=dict(embed_dims=32, depth=4, num_heads=2)),
+    'pola-pvt': lambda: LinAttnPVT(arch=PVT, attn_cfg=dict(type='PolaLinearAttention')),
+    'pola-swin': lambda: LinAttnSwin(arch=SWIN, attn_cfg=[
+        dict(type='PolaLinearAttention', qkv_layout='qkvg')] * 2 + [
+        dict(type='WindowSoftmaxAttention', window_size=7)] * 2),
+    'nalaformer': lambda: NaLaFormer(arch=HIER),
+    'padre-swin': lambda: LinAttnSwin(arch=SWIN, attn_cfg=dict(type='PADReMixer')),
+    'poly-swin': lambda: LinAttnSwin(arch=SWIN, attn_cfg=dict(type='PolySelfAttention',
+                                                              window_size=7)),
+    'poly-pvt': lambda: LinAttnPVT(arch=PVT, attn_cfg=dict(type='PolySelfAttention')),
+    'poly-deit': lambda: LinAttnViT(arch=dict(embed_dims=32, depth=4, num_heads=2),
+                                    attn_cfg=dict(type='PolySelfAttention')),
+    'setformer': lambda: SeTformer(arch=dict(embed_dims=16, depths=[1, 1, 1, 1],
+                                             num_heads=[1, 2, 2, 4], mlp_ratio=2), attn_cfg=dict(
+        type='SeTAttention', num_refs=16, num_iters=5)),
+    'r50-polynl': lambda: PolyNLResNet(),
+}
+PLAIN = {'deit-softmax', 'poly-deit'}
+
+
+@pytest.fixture(scope='module')
+def models():
+    built = {}
+    for name, make in FAMILIES.items():
+        torch.manual_seed(0)
+        m = make()
+        m.init_weights()
+        built[name] = m.eval()
+    return built
+
+
+@pytest.mark.parametrize('size', SIZES, ids=lambda s: f'{s[0]}x{s[1]}')
+@pytest.mark.parametrize('name', list(FAMILIES))
+def test_every_family_at_every_size(models, name, size):
+    if name == 'r50-polynl' and size in ((63, 63), (511, 769)):
+        pytest.skip('ResNet-50 is full size here; its other sizes cover the same rounding')
+    torch.manual_seed(1)
+    with torch.no_grad():
+        outs = models[name](torch.randn(1, 3, *size))
+    assert len(outs) == 4
+    if name == 'r50-polynl':  # ResNet: the conv / max-pool output-size formula at each stride
+        want = resnet_output_hw(*size)
+    else:
+        want = expected_pyramid_hw(*size, plain_vit=name in PLAIN)
+    assert [tuple(o.shape[-2:]) for o in outs] == want
+    assert all(torch.isfinite(o).all() for o in outs)
+
+
+def test_too_small_input_names_the_minimum():
+    m = LinAttnPVT(arch='t')
+    with pytest.raises(ValueError, match=r'smaller than the minimum 29x29'):
+        m(torch.randn(1, 3, 24, 24))
