@@ -41,6 +41,14 @@ Class tokens (``num_extra_tokens > 0``, DeiT): they take part in q, k, v, the no
 gate like grid tokens, but not in the position encoding (their PE is zero) nor in the DWC (which
 runs on the H*W grid only); their output is ``attn(cls) * g(cls)``.
 
+Fast path: by default (``fused=None``, automatic) the core runs
+:func:`linattn_mm.ops.pola.polarity_attention_fast` (one ``pow`` per tensor, one query-side GEMM for
+both streams and normalisers, temperature and ``n^-1/2`` scalars folded, fewer copies); it equals
+the reference :func:`polarity_attention` (kept unchanged, selected by ``fused=False``) up to float
+rounding, gradients included. In inference (eval + no grad) the exponent ``p``, ``1 / softplus``
+and the resized position encoding are computed once and cached (invalidated when the parameters
+change or the module goes back to training).
+
 Precision: the feature map (temperature, ReLU, power) and the small matmuls run in float32 with
 autocast disabled (``p`` reaches 1 + alpha, so ``relu(q/s)^p`` overflows fp16 easily); the result
 is cast back to the dtype of the projections.
@@ -49,6 +57,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from linattn_mm.ops.pola import polarity_attention_fast
 from linattn_mm.registry import ATTENTIONS
 from ..utils.grid import resize_grid_embed
 from .base import BaseTokenMixer, merge_heads, split_heads
@@ -135,8 +144,12 @@ class PolaLinearAttention(BaseTokenMixer):
             per-channel G, the paper's wording) or ``'none'``. Default ``'dynamic'``.
         temperature (bool): divide q and k by ``softplus(scale)`` (official). Default True.
         use_pos_enc (bool): learnable position encoding on K (official). Default True.
-        fused (bool): compute the two streams with one query-side GEMM
-            (:func:`polarity_attention_fused`; same result up to rounding). Default False.
+        fused (bool | None): which core. ``None`` (default, automatic) and ``True``: the fast
+            kernel :func:`linattn_mm.ops.pola.polarity_attention_fast` (one ``pow`` per tensor,
+            one query-side GEMM for both streams and both normalisers; equal to the reference up
+            to float rounding, gradients included). ``False``: the reference
+            :func:`polarity_attention` in the official order of operations (for debugging and
+            as the test oracle).
         eps (float): added to the normaliser. Default 1e-6.
         num_extra_tokens (int): class tokens before the grid (see the module docstring).
         qkv_bias (bool): bias of the input projections. Default True.
@@ -148,7 +161,7 @@ class PolaLinearAttention(BaseTokenMixer):
 
     def __init__(self, embed_dims, num_heads, qkv_layout='qg_kv', alpha=4., kernel_size=5,
                  la_sr_ratio=1, pretrain_hw=None, gate='dynamic', temperature=True,
-                 use_pos_enc=True, fused=False, eps=1e-6, num_extra_tokens=0, qkv_bias=True,
+                 use_pos_enc=True, fused=None, eps=1e-6, num_extra_tokens=0, qkv_bias=True,
                  proj_drop=0., init_cfg=None):
         super().__init__(embed_dims, num_heads, num_extra_tokens, init_cfg)
         name = type(self).__name__
@@ -174,7 +187,7 @@ class PolaLinearAttention(BaseTokenMixer):
         self.gate_type = gate
         self.temperature = bool(temperature)
         self.use_pos_enc = bool(use_pos_enc)
-        self.fused = bool(fused)
+        self.fused = None if fused is None else bool(fused)
         self.eps = float(eps)
 
         dyn = gate == 'dynamic'
@@ -212,6 +225,7 @@ class PolaLinearAttention(BaseTokenMixer):
             self.pos_enc_hw = (ph, pw)
             self.positional_encoding = nn.Parameter(torch.zeros(1, ph * pw, C))
         self._pe_cache = None
+        self._coef_cache = None
         self._init_linears()
 
     # --- weights -------------------------------------------------------------------------------
@@ -268,7 +282,31 @@ class PolaLinearAttention(BaseTokenMixer):
 
     def train(self, mode=True):
         self._pe_cache = None
+        self._coef_cache = None
         return super().train(mode)
+
+    @property
+    def use_fast_path(self):
+        """True unless ``fused=False`` (the reference core)."""
+        return self.fused is not False
+
+    def _coefficients(self, dtype):
+        """``p`` (1, h, 1, d) and ``1 / softplus(scale)`` as (1, h, 1, d) (or None), in ``dtype``;
+        cached in inference (eval, and no grad or frozen parameters)."""
+        params = [self.power] + ([self.scale] if self.temperature else [])
+        cacheable = not self.training and not (
+            torch.is_grad_enabled() and any(t.requires_grad for t in params))
+        key = (dtype, ) + tuple((t.device, t.dtype, t.data_ptr(), t._version) for t in params)
+        if cacheable and self._coef_cache is not None and self._coef_cache[0] == key:
+            return self._coef_cache[1]
+        p = self.exponent().to(dtype)
+        inv_s = None
+        if self.temperature:
+            inv_s = (1 / F.softplus(self.scale.to(dtype))).reshape(
+                1, self.num_heads, 1, self.head_dims)
+        out = (p, inv_s)
+        self._coef_cache = (key, out) if cacheable else None
+        return out
 
     def _kv_source(self, x, hw_shape):
         """Tokens K/V are computed from, and their grid: the input, or (la_sr_ratio > 1) the grid
@@ -305,21 +343,31 @@ class PolaLinearAttention(BaseTokenMixer):
         k, v = self.kv(src).reshape(B, src.shape[1], 2, C).unbind(2)
         return q, k, v, g, kv_hw
 
-    def _attend(self, q, k, v):
+    def _attend(self, q, k, v, k_bias=None):
         """Temperature, polarity feature maps and the two normalised streams with autocast off, in
-        float32 (float64 inputs stay float64). q (B,N,C), k/v (B,n,C) -> (B,N,C) in v's dtype."""
+        float32 (float64 inputs stay float64). q (B,N,C), k/v (B,n,C) -> (B,N,C) in v's dtype.
+        ``k_bias`` (1, n, C) is added to k first (the position encoding)."""
         out_dtype = v.dtype
         work = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
         work = torch.promote_types(work, torch.float32)  # fp16/bf16 -> fp32; fp64 stays
         with torch.autocast(device_type=q.device.type, enabled=False):
             q, k, v = q.to(work), k.to(work), v.to(work)
+            h = self.num_heads
+            if self.use_fast_path:
+                p, inv_s = self._coefficients(work)
+                if k_bias is not None:
+                    k_bias = split_heads(k_bias.to(work), h)
+                out = polarity_attention_fast(split_heads(q, h), split_heads(k, h),
+                                              split_heads(v, h), p, self.eps, inv_scale=inv_s,
+                                              k_bias=k_bias)
+                return merge_heads(out).to(out_dtype)
+            if k_bias is not None:
+                k = k + k_bias
             if self.temperature:
                 s = F.softplus(self.scale.to(work))
                 q, k = q / s, k / s
-            h = self.num_heads
-            fn = polarity_attention_fused if self.fused else polarity_attention
-            out = fn(split_heads(q, h), split_heads(k, h), split_heads(v, h),
-                     self.exponent().to(work), self.eps)
+            out = polarity_attention(split_heads(q, h), split_heads(k, h), split_heads(v, h),
+                                     self.exponent().to(work), self.eps)
             out = merge_heads(out)
         return out.to(out_dtype)
 
@@ -330,6 +378,17 @@ class PolaLinearAttention(BaseTokenMixer):
         B, n, C = v.shape
         H, W = hw_shape
         h, d = self.num_heads, self.head_dims
+        if self.use_fast_path and n == H * W:
+            # channels-last depth-wise conv over all C channels with the shared kernel tiled over
+            # the heads: one copy in, and the output is already (B, H*W, C) (NCHW needs a
+            # transposing copy on each side, and CPU depth-wise conv is faster channels-last)
+            x = v.reshape(B, H, W, C).permute(0, 3, 1, 2).contiguous(
+                memory_format=torch.channels_last)
+            w = self.dwc.weight.repeat(h, 1, 1, 1)
+            b = None if self.dwc.bias is None else self.dwc.bias.repeat(h)
+            out = F.conv2d(x, w.to(x.dtype), None if b is None else b.to(x.dtype),
+                           padding=self.dwc.padding, groups=C)
+            return out.permute(0, 2, 3, 1).reshape(B, n, C)
         v = v.reshape(B, n, h, d).permute(0, 2, 3, 1).reshape(B * h, d, n)
         if n != H * W:  # la_sr_ratio > 1: 1-D linear interpolation over the token index (official)
             v = F.interpolate(v, size=H * W, mode='linear')
@@ -342,17 +401,22 @@ class PolaLinearAttention(BaseTokenMixer):
         hw_shape = tuple(hw_shape)
         q, k, v, g, kv_hw = self._project(x, hw_shape)
         e = self.num_extra_tokens
+        pe = None
         if self.use_pos_enc:
             pe = self.pos_enc(kv_hw)
-            k = k + (F.pad(pe, (0, 0, e, 0)) if e else pe)
-        out = self._attend(q, k, v)
+            pe = F.pad(pe, (0, 0, e, 0)) if e else pe
+        out = self._attend(q, k, v, pe)
         conv = self._conv_term(v, hw_shape)
-        if e:
+        inplace = self.use_fast_path and not (torch.is_grad_enabled() and (
+            out.requires_grad or conv.requires_grad or (g is not None and g.requires_grad)))
+        if inplace:  # inference: no new (B, N, C) buffers
+            out[:, e:] += conv
+        elif e:
             out = torch.cat([out[:, :e], out[:, e:] + conv], dim=1)
         else:
             out = out + conv
         if g is not None:
-            out = out * g
+            out = out.mul_(g) if inplace else out * g
         elif self.gate_type == 'static':
             out = out * self.gate
         return self.proj_drop(self.proj(out))

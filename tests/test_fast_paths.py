@@ -1,0 +1,284 @@
+"""Fast paths against their references: the Pola fast kernel (:mod:`linattn_mm.ops.pola`) against
+the reference core ``polarity_attention``, the module with ``fused=None`` (automatic, fast) against
+``fused=False`` (reference), and whole Pola-PVT-T / Pola-Swin-T backbones, outputs and gradients,
+in float32 (1e-5 relative) and float64 (1e-10 relative)."""
+import pytest
+import torch
+
+from linattn_mm.models.attentions.pola import PolaLinearAttention, polarity_attention
+from linattn_mm.models.backbones import LinAttnPVT, LinAttnSwin
+from linattn_mm.ops import polarity_attention_fast, polarity_features
+
+TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+
+
+def rel_err(got, want):
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def assert_rel(got, want, dtype):
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.isfinite(got).all()
+    err = rel_err(got, want)
+    assert err < TOL[dtype], f'relative error {err:.3g} >= {TOL[dtype]:g}'
+
+
+def randomise_(module, seed=0, pola_only=False):
+    """Non-trivial values for every parameter (power / scale / PE start at zero); with
+    ``pola_only`` only for the Pola-specific ones (power, scale, positional_encoding, dwc), the
+    rest keeping its initialisation (whole networks with every weight at std 0.3 are so
+    ill-conditioned that float32 rounding alone moves their outputs by ~1e-5)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            leaf = name.rsplit('.', 1)[-1]
+            if pola_only and leaf not in ('scale', 'power', 'positional_encoding') \
+                    and '.dwc.' not in name:
+                continue
+            if leaf == 'scale':
+                p.copy_(torch.rand(p.shape, generator=g) * 2 - 1)
+            elif leaf == 'power':
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif 'norm' in name and leaf == 'weight':
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return module
+
+
+def kernel_inputs(B, h, N, n, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, h, N, d, generator=g, dtype=dtype)
+    k = torch.randn(B, h, n, d, generator=g, dtype=dtype)
+    v = torch.randn(B, h, n, d, generator=g, dtype=dtype)
+    p = 1 + 4 * torch.rand(1, h, 1, d, generator=g, dtype=dtype)
+    inv_s = 0.5 + torch.rand(1, h, 1, d, generator=g, dtype=dtype)
+    bias = 0.3 * torch.randn(1, h, n, d, generator=g, dtype=dtype)
+    return q, k, v, p, inv_s, bias
+
+
+def reference_core(q, k, v, p, inv_s=None, bias=None):
+    if bias is not None:
+        k = k + bias
+    if inv_s is not None:
+        q, k = q * inv_s, k * inv_s
+    return polarity_attention(q, k, v, p)
+
+
+# ------------------------------------------------------------------------------------------------
+# the kernel
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+@pytest.mark.parametrize('B,h,N,n,d', [(2, 3, 37, 37, 8), (1, 2, 50, 13, 6), (2, 1, 17, 17, 7),
+                                       (1, 2, 1, 5, 4)])
+@pytest.mark.parametrize('folded', [False, True])
+def test_kernel_matches_reference(dtype, B, h, N, n, d, folded):
+    q, k, v, p, inv_s, bias = kernel_inputs(B, h, N, n, d, dtype)
+    args = (inv_s, bias) if folded else (None, None)
+    want = reference_core(q, k, v, p, *args)
+    with torch.no_grad():  # inference path (in-place ops, exp/log power)
+        got = polarity_attention_fast(q, k, v, p, inv_scale=args[0], k_bias=args[1])
+    assert_rel(got, want, dtype)
+    # the autograd path gives the same numbers
+    qg = q.clone().requires_grad_()
+    got_g = polarity_attention_fast(qg, k, v, p, inv_scale=args[0], k_bias=args[1])
+    assert_rel(got_g.detach(), want, dtype)
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+def test_kernel_zeros_and_signs(dtype):
+    """Exact zeros (relu boundary) and all-positive / all-negative channels."""
+    q, k, v, p, _, _ = kernel_inputs(1, 2, 24, 24, 6, dtype, seed=3)
+    q[..., :5, :] = 0
+    k[..., 0] = k[..., 0].abs()
+    k[..., 1] = -k[..., 1].abs()
+    want = polarity_attention(q, k, v, p)
+    with torch.no_grad():
+        assert_rel(polarity_attention_fast(q, k, v, p), want, dtype)
+    feats = polarity_features(k, p)
+    ref = torch.cat([torch.relu(k) ** p, torch.relu(-k) ** p], -1)
+    assert_rel(feats, ref, dtype)
+
+
+def test_kernel_gradients_match_reference():
+    q, k, v, p, inv_s, bias = kernel_inputs(2, 3, 19, 19, 6, torch.float64, seed=1)
+    q[0, 0, 0, :2] = 0  # gradients at the relu boundary: 0, not NaN
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, p, inv_s, bias)]
+    leaves2 = [t.clone().requires_grad_() for t in (q, k, v, p, inv_s, bias)]
+    w = torch.randn(2, 3, 19, 6, dtype=torch.float64)
+    (reference_core(*leaves) * w).sum().backward()
+    qq, kk, vv, pp, ss, bb = leaves2
+    (polarity_attention_fast(qq, kk, vv, pp, inv_scale=ss, k_bias=bb) * w).sum().backward()
+    for a, b in zip(leaves, leaves2):
+        assert torch.isfinite(b.grad).all()
+        assert_rel(b.grad, a.grad, torch.float64)
+
+
+# ------------------------------------------------------------------------------------------------
+# the module: automatic (fast) against fused=False (reference)
+# ------------------------------------------------------------------------------------------------
+MODULE_CASES = [
+    dict(qkv_layout='qg_kv', hw=(5, 7)),
+    dict(qkv_layout='qg_kv', hw=(5, 7), num_extra_tokens=1),
+    dict(qkv_layout='qg_kv', hw=(6, 7), la_sr_ratio=2),
+    dict(qkv_layout='qg_kv', hw=(7, 9), la_sr_ratio=2, num_extra_tokens=1),
+    dict(qkv_layout='qkvg', hw=(5, 7)),
+    dict(qkv_layout='qkvg', hw=(4, 6), num_extra_tokens=1),
+    dict(qkv_layout='qkvg', hw=(3, 5), gate='static'),
+    dict(qkv_layout='qg_kv', hw=(4, 4), gate='none', temperature=False, use_pos_enc=False),
+]
+
+
+def module_pair(case, dims=24, heads=3, dtype=torch.float32, seed=0):
+    case = dict(case)
+    hw = case.pop('hw')
+    torch.manual_seed(seed)
+    kw = dict(pretrain_hw=(4, 4)) if case.get('use_pos_enc', True) else {}
+    fast = PolaLinearAttention(dims, heads, **kw, **case)
+    ref = PolaLinearAttention(dims, heads, fused=False, **kw, **case)
+    randomise_(fast, seed)
+    ref.load_state_dict(fast.state_dict())
+    return fast.to(dtype), ref.to(dtype), hw
+
+
+def test_default_is_automatic_fast_path():
+    m = PolaLinearAttention(16, 2, pretrain_hw=(2, 2))
+    assert m.fused is None and m.use_fast_path
+    assert PolaLinearAttention(16, 2, pretrain_hw=(2, 2), fused=True).use_fast_path
+    assert not PolaLinearAttention(16, 2, pretrain_hw=(2, 2), fused=False).use_fast_path
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+@pytest.mark.parametrize('case', MODULE_CASES)
+def test_module_fast_equals_reference(case, dtype):
+    fast, ref, hw = module_pair(case, dtype=dtype)
+    e = case.get('num_extra_tokens', 0)
+    x = torch.randn(2, e + hw[0] * hw[1], 24, dtype=dtype)
+    fast.eval(), ref.eval()
+    with torch.no_grad():
+        want = ref(x, hw)
+        assert_rel(fast(x, hw), want, dtype)
+        assert_rel(fast(x, hw), want, dtype)  # second call: cached coefficients / PE
+
+
+@pytest.mark.parametrize('case', MODULE_CASES[:6])
+def test_module_gradients_equal(case):
+    fast, ref, hw = module_pair(case, dtype=torch.float64)
+    e = case.get('num_extra_tokens', 0)
+    x = torch.randn(2, e + hw[0] * hw[1], 24, dtype=torch.float64)
+    xf, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    w = torch.randn_like(x)
+    fast.train(), ref.train()
+    out_f, out_r = fast(xf, hw), ref(xr, hw)
+    assert_rel(out_f.detach(), out_r.detach(), torch.float64)
+    (out_f * w).sum().backward()
+    (out_r * w).sum().backward()
+    assert_rel(xf.grad, xr.grad, torch.float64)
+    grads_r = dict(ref.named_parameters())
+    for name, p in fast.named_parameters():
+        assert p.grad is not None, name
+        assert_rel(p.grad, grads_r[name].grad, torch.float64)
+
+
+def test_coefficient_cache_follows_parameter_updates():
+    fast, ref, hw = module_pair(MODULE_CASES[4])
+    fast.eval(), ref.eval()
+    x = torch.randn(1, hw[0] * hw[1], 24)
+    with torch.no_grad():
+        fast(x, hw)
+        for m in (fast, ref):
+            m.power.add_(0.5)
+            m.scale.mul_(-1)
+        assert_rel(fast(x, hw), ref(x, hw), torch.float32)
+    fast.train()
+    assert fast._coef_cache is None
+
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16])
+def test_autocast_fast_path_is_finite_and_close(dtype):
+    fast, ref, hw = module_pair(MODULE_CASES[4])
+    fast.eval(), ref.eval()
+    x = torch.randn(1, hw[0] * hw[1], 24) * 3
+    with torch.no_grad():
+        want = ref(x, hw)
+        with torch.autocast('cpu', dtype=dtype):
+            got = fast(x, hw)
+    assert torch.isfinite(got).all()
+    assert rel_err(got.float(), want) < 0.05
+
+
+# ------------------------------------------------------------------------------------------------
+# whole backbones: Pola-PVT-T and Pola-Swin-T with fused=False vs automatic
+# ------------------------------------------------------------------------------------------------
+SMALL_PVT = dict(embed_dims=[16, 32, 40, 64], depths=[1, 1, 1, 1], num_heads=[1, 2, 5, 8],
+                 mlp_ratios=[2, 2, 2, 2], sr_ratios=[8, 4, 2, 1])
+SMALL_SWIN = dict(embed_dims=24, depths=[1, 1, 2, 1], num_heads=[3, 3, 6, 12])
+POLA_SWIN = [dict(type='PolaLinearAttention', qkv_layout='qkvg'),
+             dict(type='PolaLinearAttention', qkv_layout='qkvg'),
+             dict(type='WindowSoftmaxAttention', window_size=7),
+             dict(type='WindowSoftmaxAttention', window_size=7)]
+
+
+def build_pair(kind, pvt_sr=1):
+    torch.manual_seed(0)
+    if kind == 'pvt':
+        attn = dict(type='PolaLinearAttention', la_sr_ratio=pvt_sr)
+        make = lambda: LinAttnPVT(arch=SMALL_PVT, attn_cfg=attn, pretrain_img_size=64,  # noqa
+                                  drop_path_rate=0.)
+    else:
+        make = lambda: LinAttnSwin(arch=SMALL_SWIN, attn_cfg=POLA_SWIN, pretrain_img_size=64,  # noqa
+                                   drop_path_rate=0.)
+    fast = randomise_(make(), pola_only=True)
+    ref = make()
+    ref.load_state_dict(fast.state_dict())
+    pola = [m for m in ref.modules() if isinstance(m, PolaLinearAttention)]
+    assert pola
+    for m in pola:
+        m.fused = False
+    assert all(m.use_fast_path for m in fast.modules() if isinstance(m, PolaLinearAttention))
+    return fast, ref
+
+
+@pytest.mark.parametrize('kind,sr', [('pvt', 1), ('pvt', 2), ('swin', 1)])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+def test_backbone_fast_equals_reference(kind, sr, dtype):
+    fast, ref = build_pair(kind, sr)
+    fast.to(dtype).eval(), ref.to(dtype).eval()
+    x = torch.randn(2, 3, 72, 88, dtype=dtype)  # not the pretraining size: PE resized
+    with torch.no_grad():
+        outs_f, outs_r = fast(x), ref(x)
+    assert len(outs_f) == len(outs_r) == 4
+    for a, b in zip(outs_f, outs_r):
+        assert_rel(a, b, dtype)
+
+
+@pytest.mark.parametrize('kind', ['pvt', 'swin'])
+def test_backbone_gradients_equal(kind):
+    fast, ref = build_pair(kind)
+    fast.double().train(), ref.double().train()
+    x = torch.randn(1, 3, 64, 64, dtype=torch.float64)
+    outs_f, outs_r = fast(x), ref(x)
+    # random weights: the outputs are layer-normed, so a plain sum has zero gradient
+    ws = [torch.randn_like(o) for o in outs_f]
+    loss_f = sum((o * w).sum() for o, w in zip(outs_f, ws))
+    loss_r = sum((o * w).sum() for o, w in zip(outs_r, ws))
+    loss_f.backward()
+    loss_r.backward()
+    grads_r = dict(ref.named_parameters())
+    for name, p in fast.named_parameters():
+        if grads_r[name].grad is None:
+            assert p.grad is None, name
+            continue
+        assert_rel(p.grad, grads_r[name].grad, torch.float64)
+
+
+@pytest.mark.parametrize('layout', ['qg_kv', 'qkvg'])
+def test_fast_path_macs_equal_reference(layout):
+    """The MAC counter (FlopCounterMode, used by tools/get_flops.py) sees the same GEMM work on
+    both paths (no in-place GEMM that it would miss)."""
+    from linattn_mm.flops import count_macs
+    m = PolaLinearAttention(48, 3, qkv_layout=layout, pretrain_hw=(6, 6)).eval()
+    x = torch.randn(2, 36, 48)
+    fast = count_macs(m, x, (6, 6)).total
+    m.fused = False
+    assert fast == count_macs(m, x, (6, 6)).total > 0
