@@ -1,0 +1,566 @@
+"""Speed and peak memory of backbones, whole models and the Pola attention layer, over input sizes.
+
+    # backbones: built-in names (see --list) or config files (their model.backbone)
+    python tools/benchmark.py --mode backbone pola-swin-t swin-t --sizes 800x1344 --compare swin-t
+    # whole detector / segmentor / classifier from a config (forward mode tensor or predict)
+    python tools/benchmark.py --mode model configs/polaformer/pola-pvt-t_in1k.py --sizes 224 \\
+        --batch 8 --impls fast official --compare official
+    # the Pola attention layer alone at N = H*W tokens
+    python tools/benchmark.py --mode attention --grid 128x128 --heads 3 --head-dims 32 \\
+        --impls fast official reference --compare official
+
+Options: ``--device cpu|cuda``, ``--dtype fp32|bf16|fp16`` (autocast), ``--batch``, ``--sizes``
+(``S`` = S x S or ``HxW``; a sweep), ``--warmup``, ``--repeats`` (the median is reported),
+``--threads`` (CPU), ``--json FILE``, ``--plot FILE`` (log-log time and peak memory against
+pixels, with the fitted slope per target).
+
+Implementations of the Pola mixers (``--impls``, every target is run with each one, same weights,
+same inputs, and outputs are compared with the first):
+
+* ``fast``: the plugin's default (``PolaLinearAttention(fused=None)``, the fast kernel
+  :mod:`linattn_mm.ops.pola`).
+* ``reference``: the plugin's reference core (``fused=False``).
+* ``official``: a straightforward implementation of the official forward written in this file
+  from the pseudo-code of the official code (spec ``polaformer.md`` §1.2: two relu-pow per tensor,
+  two streams each with its own GEMMs and normalisers, ``n^-1/2`` rescaling, ``cat`` copies,
+  NCHW depth-wise conv); it is bound to every ``PolaLinearAttention`` of the model in place of
+  its ``forward``, so it uses the same weights.
+
+``--compare BASELINE`` (a target name or an implementation name, measured in the same run) prints
+time ratios ``baseline / this`` (> 1: faster than the baseline) per size.
+
+Reported: latency (median ms per forward), img/s (batch / latency) and peak memory. On CUDA the
+peak is ``torch.cuda.max_memory_allocated`` during one forward; on CPU it is the peak of live
+tensor storage counted by :class:`linattn_mm.utils.PeakMemoryCounter` during one extra
+(untimed) forward, not counting the weights and the input. All forwards run in ``eval`` mode under
+``torch.inference_mode``.
+"""
+import argparse
+import gc
+import json
+import math
+import os
+import os.path as osp
+import statistics
+import sys
+import time
+import types
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, osp.dirname(osp.abspath(__file__)))
+import linattn_mm  # noqa: E402,F401
+from linattn_mm.models.attentions.pola import PolaLinearAttention  # noqa: E402
+
+try:
+    from linattn_mm.utils import PeakMemoryCounter  # noqa: E402
+except ImportError:  # pragma: no cover - older checkouts
+    PeakMemoryCounter = None
+
+POLA_PVT = dict(type='PolaLinearAttention', qkv_layout='qg_kv', alpha=4, kernel_size=5,
+                la_sr_ratio=1)
+POLA_SWIN = dict(type='PolaLinearAttention', qkv_layout='qkvg', alpha=4, kernel_size=5)
+WIN7 = dict(type='WindowSoftmaxAttention', window_size=7)
+
+#: built-in backbones: name -> (config dict, description)
+BACKBONES = {
+    'pola-pvt-t': (dict(type='LinAttnPVT', arch='t', attn_cfg=POLA_PVT),
+                   'Pola-PVT-T (linattn LinAttnPVT, Pola attention in all stages, la_sr 1)'),
+    'pola-pvt-s': (dict(type='LinAttnPVT', arch='s', attn_cfg=POLA_PVT), 'Pola-PVT-S'),
+    'pola-swin-t': (dict(type='LinAttnSwin', arch='t',
+                         attn_cfg=[POLA_SWIN, POLA_SWIN, WIN7, WIN7]),
+                    'Pola-Swin-T (LinAttnSwin, global Pola stages 1-2, window-7 stages 3-4)'),
+    'swin-t': (dict(type='mmdet.SwinTransformer', embed_dims=96, depths=(2, 2, 6, 2),
+                    num_heads=(3, 6, 12, 24), window_size=7),
+               'stock mmdet SwinTransformer, Swin-T arch'),
+    'pvt-t': (dict(type='mmdet.PyramidVisionTransformer', num_layers=[2, 2, 2, 2]),
+              'stock mmdet PyramidVisionTransformer, PVT-T arch (SRA softmax, sr 8/4/2/1)'),
+    'linattn-swin-t': (dict(type='LinAttnSwin', arch='t'),
+                       'LinAttnSwin-T with window-7 softmax attention (Swin-T in the skeleton)'),
+    'linattn-pvt-t': (dict(type='LinAttnPVT', arch='t',
+                           attn_cfg=dict(type='SRSoftmaxAttention')),
+                      'LinAttnPVT-T with SRA softmax (PVT-T in the skeleton)'),
+    'global-pvt-t': (dict(type='LinAttnPVT', arch='t',
+                          attn_cfg=dict(type='GlobalSoftmaxAttention')),
+                     'LinAttnPVT-T with global softmax attention in every stage (quadratic)'),
+    'nalaformer-t': (dict(type='NaLaFormer', arch='t'),
+                     'NaLaFormer-T (linear NaLa stages 1-2, global softmax stages 3-4)'),
+    'nalaformer-t-linear': (dict(type='NaLaFormer', arch='t', attn_types=('nala', ) * 4),
+                            'NaLaFormer-T with NaLa linear attention in all four stages'),
+}
+
+POLA_IMPLS = ('fast', 'reference', 'official')
+
+
+# ------------------------------------------------------------------------------------------------
+# the straightforward official forward (spec polaformer.md §1.2), bound in place of forward()
+# ------------------------------------------------------------------------------------------------
+def official_pola_forward(self, x, hw_shape):
+    """PolaFormer attention as the official code computes it, written out directly: q, k, v, g
+    from the projections, PE on k, temperature, relu(+-x)**p twice per tensor, the same-signed and
+    opposite-signed streams each with their own GEMMs, normaliser and ``n^-1/2`` rescaling, cat,
+    head-shared depth-wise conv on V (NCHW), gate, proj. Uses ``self``'s weights."""
+    if self.num_extra_tokens or self.gate_type != 'dynamic' or not self.temperature \
+            or not self.use_pos_enc:
+        raise NotImplementedError('official forward: dynamic gate, temperature, PE, no class '
+                                  'tokens only')
+    B, N, C = x.shape
+    H, W = hw_shape
+    h = self.num_heads
+    if self.qkv_layout == 'qkvg':
+        q, k, v, g = self.qkvg(x).reshape(B, N, 4, C).permute(2, 0, 1, 3).unbind(0)
+        kv_hw = (H, W)
+    else:
+        q, g = self.qg(x).reshape(B, N, 2, C).unbind(2)
+        if self.la_sr_ratio > 1:
+            x_ = x.permute(0, 2, 1).reshape(B, C, H, W)
+            x_ = self.sr(x_)
+            kv_hw = tuple(x_.shape[-2:])
+            x_ = self.norm(x_.reshape(B, C, -1).permute(0, 2, 1))
+        else:
+            x_, kv_hw = x, (H, W)
+        k, v = self.kv(x_).reshape(B, -1, 2, C).permute(2, 0, 1, 3).unbind(0)
+    n = k.shape[1]
+    k = k + self.pos_enc(kv_hw)
+    scale = F.softplus(self.scale)
+    power = 1 + self.alpha * torch.sigmoid(self.power)
+    q = q / scale
+    k = k / scale
+    q = q.reshape(B, N, h, -1).permute(0, 2, 1, 3).contiguous()
+    k = k.reshape(B, n, h, -1).permute(0, 2, 1, 3).contiguous()
+    v = v.reshape(B, n, h, -1).permute(0, 2, 1, 3).contiguous()
+    q_pos = F.relu(q) ** power
+    q_neg = F.relu(-q) ** power
+    k_pos = F.relu(k) ** power
+    k_neg = F.relu(-k) ** power
+    q_sim = torch.cat([q_pos, q_neg], dim=-1)
+    q_opp = torch.cat([q_neg, q_pos], dim=-1)
+    k = torch.cat([k_pos, k_neg], dim=-1)
+    v1, v2 = torch.chunk(v, 2, dim=-1)
+    z = 1 / (q_sim @ k.mean(dim=-2, keepdim=True).transpose(-2, -1) + self.eps)
+    kv = (k.transpose(-2, -1) * (n ** -0.5)) @ (v1 * (n ** -0.5))
+    x_sim = q_sim @ kv * z
+    z = 1 / (q_opp @ k.mean(dim=-2, keepdim=True).transpose(-2, -1) + self.eps)
+    kv = (k.transpose(-2, -1) * (n ** -0.5)) @ (v2 * (n ** -0.5))
+    x_opp = q_opp @ kv * z
+    out = torch.cat([x_sim, x_opp], dim=-1).transpose(1, 2).reshape(B, N, C)
+    if n != H * W:
+        v = F.interpolate(v.transpose(-2, -1).reshape(B * h, -1, n), size=N, mode='linear')
+        v = v.reshape(B, h, -1, N).transpose(-2, -1)
+    v = v.reshape(B * h, H, W, -1).permute(0, 3, 1, 2)
+    v = self.dwc(v).reshape(B, C, N).permute(0, 2, 1)
+    out = out + v
+    out = out * g
+    return self.proj_drop(self.proj(out))
+
+
+def pola_modules(model):
+    return [m for m in model.modules() if isinstance(m, PolaLinearAttention)]
+
+
+def set_impl(model, impl):
+    """Switch every Pola mixer of ``model`` to ``impl`` (see the module docstring)."""
+    for m in pola_modules(model):
+        m.__dict__.pop('forward', None)
+        if impl == 'official':
+            m.forward = types.MethodType(official_pola_forward, m)
+        else:
+            m.fused = None if impl == 'fast' else False
+
+
+# ------------------------------------------------------------------------------------------------
+# building targets
+# ------------------------------------------------------------------------------------------------
+def parse_size(s):
+    if 'x' in s.lower():
+        h, w = s.lower().split('x')
+        return int(h), int(w)
+    return int(s), int(s)
+
+
+def _load_cfg(path):
+    from mmengine.config import Config
+    return Config.fromfile(path)
+
+
+def _no_pretrained(bb):
+    if isinstance(bb, dict):
+        if isinstance(bb.get('init_cfg'), dict) and bb['init_cfg'].get('type') == 'Pretrained':
+            bb['init_cfg'] = None
+        bb.pop('pretrained', None)
+    return bb
+
+
+def build_backbone(target):
+    """A backbone from a built-in name or a config file's model.backbone."""
+    from mmengine.registry import init_default_scope
+    from mmdet.registry import MODELS as DET_MODELS
+    init_default_scope('mmdet')
+    if target in BACKBONES:
+        cfg = dict(BACKBONES[target][0])
+        if cfg['type'].startswith('mmdet.'):  # stock mmdet classes, built directly
+            import mmdet.models.backbones as mmdet_backbones
+            cls = getattr(mmdet_backbones, cfg.pop('type')[len('mmdet.'):])
+            return cls(**cfg)
+        if cfg['type'] in ('LinAttnPVT', 'LinAttnSwin', 'NaLaFormer') and 'out_indices' not in cfg:
+            cfg['out_indices'] = (0, 1, 2, 3)
+    else:
+        cfg = _no_pretrained(dict(_load_cfg(target).model.backbone))
+        cfg.pop('_delete_', None)
+    return DET_MODELS.build(cfg)
+
+
+def build_full_model(target):
+    import get_flops  # tools/get_flops.py
+    cfg = _load_cfg(target)
+    model, scope = get_flops.build_model(cfg)
+    return model, scope, cfg
+
+
+# ------------------------------------------------------------------------------------------------
+# timing and memory
+# ------------------------------------------------------------------------------------------------
+def _sync(device):
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+
+
+def _first_tensors(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):
+        res = []
+        for o in out:
+            res += _first_tensors(o)
+        return res
+    for name in ('pred_score', 'seg_logits', 'pred_instances'):
+        if hasattr(out, name):
+            return _first_tensors(getattr(out, name))
+    if hasattr(out, 'scores'):
+        return [out.scores]
+    if hasattr(out, 'data') and isinstance(out.data, torch.Tensor):
+        return [out.data]
+    return []
+
+
+def max_abs_diff(a, b):
+    ta, tb = _first_tensors(a), _first_tensors(b)
+    if not ta or len(ta) != len(tb):
+        return float('nan')
+    d = 0.
+    for x, y in zip(ta, tb):
+        if x.shape != y.shape:
+            return float('nan')
+        d = max(d, (x.float() - y.float()).abs().max().item() if x.numel() else 0.)
+    return d
+
+
+def max_abs(a):
+    t = _first_tensors(a)
+    return max((x.float().abs().max().item() for x in t if x.numel()), default=0.)
+
+
+def _runner(fn, device, autocast_dtype):
+    def run():
+        with torch.inference_mode(), torch.autocast(device.type, dtype=autocast_dtype,
+                                                    enabled=autocast_dtype is not None):
+            return fn()
+    return run
+
+
+def peak_memory(run, device):
+    """Peak bytes allocated by one forward and how they were measured."""
+    gc.collect()
+    if device.type == 'cuda':
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        out = run()
+        _sync(device)
+        return out, torch.cuda.max_memory_allocated(device) - base, 'cuda max_memory_allocated'
+    if PeakMemoryCounter is not None:
+        with PeakMemoryCounter() as mem:
+            out = run()
+        return out, mem.peak_bytes, 'PeakMemoryCounter (live tensor storage)'
+    import resource  # pragma: no cover
+    out = run()
+    return out, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, \
+        'process peak RSS (getrusage; includes weights and the interpreter)'
+
+
+def measure_interleaved(variants, device, warmup, repeats, autocast_dtype):
+    """Time several variants of one forward in rounds (A, B, C, A, B, C, ...), so that a change of
+    the background load on a shared machine hits all of them alike.
+
+    Args:
+        variants (list[tuple[str, callable, callable]]): (name, activate(), forward()).
+
+    Returns:
+        dict: name -> (median s, times, output of the memory run, peak bytes, method).
+    """
+    runs = [(name, act, _runner(fn, device, autocast_dtype)) for name, act, fn in variants]
+    for _, act, run in runs:
+        act()
+        for _ in range(warmup):
+            run()
+    _sync(device)
+    times = {name: [] for name, _, _ in runs}
+    for _ in range(repeats):
+        for name, act, run in runs:
+            act()
+            t0 = time.perf_counter()
+            out = run()
+            _sync(device)
+            times[name].append(time.perf_counter() - t0)
+            del out
+    res = {}
+    for name, act, run in runs:
+        act()
+        out, peak, how = peak_memory(run, device)
+        res[name] = (statistics.median(times[name]), times[name], out, peak, how)
+    return res
+
+
+# ------------------------------------------------------------------------------------------------
+# main
+# ------------------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('targets', nargs='*', help='backbone names (--list) or config files; '
+                   'unused in --mode attention')
+    p.add_argument('--mode', choices=['backbone', 'model', 'attention'], default='backbone')
+    p.add_argument('--list', action='store_true', help='list the built-in backbones and exit')
+    p.add_argument('--device', default='cpu', help='cpu | cuda | cuda:N')
+    p.add_argument('--dtype', choices=['fp32', 'bf16', 'fp16'], default='fp32',
+                   help='fp32, or bf16 / fp16 autocast')
+    p.add_argument('--batch', type=int, default=1)
+    p.add_argument('--sizes', nargs='+', default=None,
+                   help="input sizes 'S' or 'HxW' (default 224; attention mode: --grid)")
+    p.add_argument('--warmup', type=int, default=2)
+    p.add_argument('--repeats', type=int, default=5, help='timed forwards; median reported')
+    p.add_argument('--threads', type=int, default=None, help='torch CPU threads')
+    p.add_argument('--impls', nargs='+', choices=POLA_IMPLS, default=['fast'],
+                   help='Pola mixer implementations to run for every target')
+    p.add_argument('--compare', nargs='+', default=None,
+                   help="baselines for time ratios: 'BASE' (a target or an implementation name, "
+                   "for every other result) or 'TARGET:BASE' (one pair)")
+    p.add_argument('--forward', choices=['tensor', 'predict'], default='tensor',
+                   help="--mode model: forward mode (predict needs data samples; they are made)")
+    p.add_argument('--grid', nargs='+', default=['128x128'],
+                   help='--mode attention: token grids HxW (N = H*W)')
+    p.add_argument('--heads', type=int, default=3)
+    p.add_argument('--head-dims', type=int, default=32)
+    p.add_argument('--layout', choices=['qkvg', 'qg_kv'], default='qkvg')
+    p.add_argument('--la-sr-ratio', type=int, default=1)
+    p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--json', help='write all results to this JSON file')
+    p.add_argument('--plot', help='write a log-log plot of time and peak memory vs pixels')
+    return p.parse_args(argv)
+
+
+def _randomise_pola(model, seed):
+    """Non-trivial power / scale / PE / dwc (they start at zero) so the impls are really compared."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in pola_modules(model):
+            m.power.copy_(torch.randn(m.power.shape, generator=g))
+            if m.temperature:
+                m.scale.copy_(torch.rand(m.scale.shape, generator=g) * 2 - 1)
+            if m.use_pos_enc:
+                m.positional_encoding.copy_(
+                    torch.randn(m.positional_encoding.shape, generator=g) * 0.3)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.list:
+        for k, (_, desc) in BACKBONES.items():
+            print(f'{k:22s} {desc}')
+        return
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    ac = {'fp32': None, 'bf16': torch.bfloat16, 'fp16': torch.float16}[args.dtype]
+    torch.manual_seed(args.seed)
+    mem_note = ('cuda max_memory_allocated' if device.type == 'cuda' else
+                'PeakMemoryCounter' if PeakMemoryCounter is not None else 'peak RSS (getrusage)')
+    print(f'# torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, '
+          f'dtype {args.dtype}, batch {args.batch}, warmup {args.warmup}, repeats {args.repeats}'
+          f' (median), peak memory: {mem_note}')
+
+    # --- targets: (name, build() -> (module, make_input(size) -> callable)) ---
+    jobs = []
+    if args.mode == 'attention':
+        sizes = [parse_size(s) for s in args.grid]
+        C = args.heads * args.head_dims
+        name = f'pola-attn-{args.layout}-h{args.heads}-d{args.head_dims}'
+
+        def build_attn(hw0=sizes[0]):
+            m = PolaLinearAttention(C, args.heads, qkv_layout=args.layout,
+                                    la_sr_ratio=args.la_sr_ratio, pretrain_hw=hw0)
+            return m
+
+        def call_attn(m, hw):
+            x = torch.randn(args.batch, hw[0] * hw[1], C, device=device)
+            return lambda: m(x, hw)
+        jobs.append((name, build_attn, call_attn))
+    else:
+        sizes = [parse_size(s) for s in (args.sizes or ['224'])]
+        if not args.targets:
+            raise SystemExit('give at least one target (a backbone name or a config file)')
+        for t in args.targets:
+            if args.mode == 'backbone':
+                def call_bb(m, hw):
+                    x = torch.randn(args.batch, 3, *hw, device=device)
+                    return lambda: m(x)
+                jobs.append((t, lambda t=t: build_backbone(t), call_bb))
+            else:
+                def build_m(t=t):
+                    model, scope, cfg = build_full_model(t)
+                    model.linattn_bench = (scope, cfg)
+                    return model
+
+                def call_m(model, hw):
+                    import get_flops
+                    scope, cfg = model.linattn_bench
+                    inputs, samples = get_flops.make_inputs(scope, hw, cfg)
+                    inputs = inputs.to(device).expand(args.batch, -1, -1, -1).contiguous()
+                    inputs.normal_()
+                    if samples is not None:
+                        samples = [samples[0].clone() for _ in range(args.batch)]
+                    if args.forward == 'predict':
+                        # predict() writes into the data samples: fresh copies per call
+                        return lambda: model(
+                            inputs, None if samples is None else [s.clone() for s in samples],
+                            mode='predict')
+                    return lambda: model(inputs, samples, mode='tensor')
+                jobs.append((t, build_m, call_m))
+
+    results = []
+    for name, build, call in jobs:
+        model = build().to(device)
+        model.eval()  # (some mmdet backbones' train() returns None)
+        _randomise_pola(model, args.seed)
+        has_pola = bool(pola_modules(model))
+        impls = args.impls if has_pola else ['-']
+        nparams = sum(p.numel() for p in model.parameters())
+        for hw in sizes:
+            torch.manual_seed(args.seed + 1)
+            fn_base = call(model, hw)
+            variants = [(impl, (lambda impl=impl, model=model: set_impl(model, impl)
+                                 if impl != '-' else None), fn_base) for impl in impls]
+            try:
+                meas = measure_interleaved(variants, device, args.warmup, args.repeats, ac)
+            except (RuntimeError, MemoryError) as e:  # e.g. out of memory
+                print(f'{name} {hw[0]}x{hw[1]}: FAILED {type(e).__name__}: {str(e)[:200]}')
+                continue
+            first_out = meas[impls[0]][2]
+            for impl in impls:
+                med, times, out, peak, how = meas[impl]
+                diff = None if impl == impls[0] else max_abs_diff(first_out, out)
+                r = dict(target=name, impl=impl, size=list(hw), pixels=hw[0] * hw[1],
+                         batch=args.batch, latency_ms=med * 1e3,
+                         times_ms=[t * 1e3 for t in times], img_per_s=args.batch / med,
+                         peak_mem_mb=peak / 2**20, peak_mem_method=how, params=nparams,
+                         max_abs_diff_vs_first_impl=diff,
+                         max_abs_output=max_abs(out))
+                results.append(r)
+                extra = '' if diff is None else (f'  max|diff| vs {impls[0]} = {diff:.3g} '
+                                                 f'(max|out| {r["max_abs_output"]:.3g})')
+                print(f'{name:28s} {impl:9s} {hw[0]:5d}x{hw[1]:<5d} {med * 1e3:10.1f} ms '
+                      f'(min {min(times) * 1e3:.1f}) {args.batch / med:9.2f} img/s  '
+                      f'peak {peak / 2**20:9.1f} MB{extra}', flush=True)
+                del out
+            del meas
+            del first_out, fn_base
+            gc.collect()
+        if has_pola:
+            set_impl(model, 'fast')
+        del model
+        gc.collect()
+        if device.type == 'cuda':
+            torch.cuda.empty_cache()
+
+    for spec in args.compare or []:
+        only, base_name = (spec.rsplit(':', 1) if ':' in spec and not osp.exists(spec)
+                           else (None, spec))
+        print(f'\n# time ratios: {base_name} / this (> 1 means faster than {base_name})')
+        for r in results:
+            if only is not None and r['target'] != only:
+                continue
+            base = [b for b in results if b['size'] == r['size'] and b is not r and (
+                (b['target'] == base_name and b['impl'] in (r['impl'], '-', 'fast'))
+                or (b['impl'] == base_name and b['target'] == r['target']))]
+            if base and r['target'] != base_name and r['impl'] != base_name:
+                ratio = base[0]['latency_ms'] / r['latency_ms']
+                r['speedup_vs_' + base_name] = ratio
+                print(f'{r["target"]:28s} {r["impl"]:9s} {r["size"][0]}x{r["size"][1]}: '
+                      f'{ratio:.2f}x  ({base[0]["latency_ms"]:.1f} / {r["latency_ms"]:.1f} ms)')
+
+    # scaling summary
+    by = {}
+    for r in results:
+        by.setdefault((r['target'], r['impl']), []).append(r)
+    if any(len(v) > 1 for v in by.values()):
+        print('\n# scaling: time ratio between consecutive sizes, and log-log slope (time ~ px^s)')
+        for (t, i), rs in by.items():
+            rs = sorted(rs, key=lambda r: r['pixels'])
+            if len(rs) < 2:
+                continue
+            steps = ', '.join(
+                f'{b["size"][0]}x{b["size"][1]}/{a["size"][0]}x{a["size"][1]}: '
+                f'{b["latency_ms"] / a["latency_ms"]:.2f}' for a, b in zip(rs, rs[1:]))
+            print(f'{t:28s} {i:9s} {steps}; slope {_slope(rs, "latency_ms"):.2f} '
+                  f'(memory {_slope(rs, "peak_mem_mb"):.2f})')
+
+    if args.json:
+        with open(args.json, 'w') as f:
+            json.dump(dict(args=vars(args), torch=torch.__version__, device=str(device),
+                           threads=torch.get_num_threads(), results=results), f, indent=1)
+        print(f'wrote {args.json}')
+    if args.plot:
+        plot(results, args.plot, f'{args.mode}, {device}, {args.dtype}, batch {args.batch}')
+        print(f'wrote {args.plot}')
+    return results
+
+
+def _slope(rs, key):
+    xs = [math.log(r['pixels']) for r in rs]
+    ys = [math.log(max(r[key], 1e-12)) for r in rs]
+    if len(xs) < 2:
+        return float('nan')
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else float('nan')
+
+
+def plot(results, path, title):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
+    by = {}
+    for r in results:
+        by.setdefault(f'{r["target"]} [{r["impl"]}]', []).append(r)
+    for ax, key, label in ((axes[0], 'latency_ms', 'latency (ms, median)'),
+                           (axes[1], 'peak_mem_mb', 'peak memory (MB)')):
+        for name, rs in by.items():
+            rs = sorted(rs, key=lambda r: r['pixels'])
+            ax.loglog([r['pixels'] for r in rs], [r[key] for r in rs], 'o-',
+                      label=f'{name} (slope {_slope(rs, key):.2f})')
+        ax.set_xlabel('pixels (H x W)')
+        ax.set_ylabel(label)
+        ax.grid(True, which='both', alpha=.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(osp.dirname(osp.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == '__main__':
+    main()
