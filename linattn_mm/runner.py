@@ -42,16 +42,22 @@ def load_config(args):
 def apply_launcher_defaults(cfg):
     """Make multi-process runs work without CUDA: the gloo backend (nccl needs GPUs), the
     process group created here for the ``pytorch`` (torchrun) launcher (mmengine's own set-up
-    calls ``torch.cuda.set_device``), and DDP without device ids."""
+    calls ``torch.cuda.set_device``), and DDP without device ids whose SyncBN layers synchronise
+    over gloo (:class:`linattn_mm.dist.CPUDistributedDataParallel`)."""
     if cfg.get('launcher', 'none') == 'none' or torch.cuda.is_available():
         return cfg
-    env = cfg.setdefault('env_cfg', {})
-    env.setdefault('dist_cfg', {})['backend'] = 'gloo'
+    env = dict(cfg.get('env_cfg') or {})
+    env['dist_cfg'] = dict(env.get('dist_cfg') or {}, backend='gloo')
+    cfg.env_cfg = env
     if cfg.launcher == 'pytorch':
         import torch.distributed as dist
         if not dist.is_initialized():
             dist.init_process_group(backend='gloo')
-    wrapper = dict(cfg.get('model_wrapper_cfg') or dict(type='MMDistributedDataParallel'))
+    # SyncBN layers become CPUSyncBatchNorm (statistics all-reduced over the gloo group)
+    import linattn_mm.dist  # noqa: F401  (registers the wrapper)
+    wrapper = dict(cfg.get('model_wrapper_cfg') or dict(type='CPUDistributedDataParallel'))
+    if wrapper.get('type') == 'MMDistributedDataParallel':
+        wrapper['type'] = 'CPUDistributedDataParallel'
     wrapper.setdefault('device_ids', None)
     cfg.model_wrapper_cfg = wrapper
     return cfg
