@@ -13,7 +13,6 @@ from mmengine.logging import MMLogger
 from torch.utils.flop_counter import FlopCounterMode
 
 import linattn_mm  # noqa: F401
-from linattn_mm.checkpoint import load_pretrained
 from linattn_mm.models.attentions import build_attention
 from linattn_mm.models.attentions.poly import PolyNL2d, PolySelfAttention, polynl_cost
 from linattn_mm.models.attentions.softmax import shift_window_mask, window_partition
