@@ -23,7 +23,7 @@ import torch.utils.checkpoint as cp
 
 from linattn_mm.registry import register_backbone
 from ..attentions.base import build_attention
-from ..utils.layers import DropPath, Mlp, nchw_to_nlc, nlc_to_nchw
+from ..utils.layers import BlocksThenDownsample, DropPath, Mlp, nchw_to_nlc, nlc_to_nchw
 from .base import LinAttnBackbone, drop_path_rates, per_stage, resolve_arch
 
 _ARCH_KEYS = ('embed_dims', 'depths', 'num_heads', 'mlp_ratio')
@@ -100,7 +100,7 @@ class SeTBlock(nn.Module):
         return self._forward(x, hw_shape)
 
 
-class SeTStage(nn.Module):
+class SeTStage(BlocksThenDownsample):
     """Blocks, then the optional downsampler.
 
     ``forward`` returns ``(out, out_hw, next, next_hw)``."""
@@ -111,14 +111,6 @@ class SeTStage(nn.Module):
             [SeTBlock(drop_path=dpr[j], block_idx=j, **block_kwargs) for j in range(depth)])
         self.downsample = ConvDownsampler(block_kwargs['embed_dims'], downsample_dims) \
             if downsample_dims else None
-
-    def forward(self, x, hw_shape):
-        for blk in self.blocks:
-            x = blk(x, hw_shape)
-        if self.downsample is None:
-            return x, hw_shape, x, hw_shape
-        down, down_hw = self.downsample(x, hw_shape)
-        return x, hw_shape, down, down_hw
 
 
 @register_backbone

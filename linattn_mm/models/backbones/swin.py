@@ -8,13 +8,14 @@ import torch
 import torch.nn as nn
 
 from linattn_mm.registry import register_backbone
-from ..utils.layers import PatchEmbed, PatchMerging, make_blocks, nlc_to_nchw, resize_grid_embed
+from ..utils.layers import (BlocksThenDownsample, PatchEmbed, PatchMerging, make_blocks,
+                            nlc_to_nchw, resize_grid_embed)
 from .base import LinAttnBackbone, drop_path_rates, per_stage, resolve_arch
 
 _SWIN_KEYS = ('embed_dims', 'depths', 'num_heads')
 
 
-class SwinStage(nn.Module):
+class SwinStage(BlocksThenDownsample):
     """Blocks of one stage followed by optional patch merging."""
 
     def __init__(self, depth, dpr, downsample_dims=None, **block_kwargs):
@@ -22,14 +23,6 @@ class SwinStage(nn.Module):
         self.blocks = make_blocks(depth, dpr, **block_kwargs)
         dims = block_kwargs['embed_dims']
         self.downsample = PatchMerging(dims, downsample_dims) if downsample_dims else None
-
-    def forward(self, x, hw_shape):
-        for blk in self.blocks:
-            x = blk(x, hw_shape)
-        if self.downsample is None:
-            return x, hw_shape, x, hw_shape
-        down, down_hw = self.downsample(x, hw_shape)
-        return x, hw_shape, down, down_hw
 
 
 @register_backbone

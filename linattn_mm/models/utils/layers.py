@@ -168,3 +168,17 @@ def make_blocks(depth, dpr, **kwargs):
     """A ModuleList of ``depth`` TransformerBlocks with stochastic-depth rates ``dpr``."""
     return nn.ModuleList(
         [TransformerBlock(drop_path=dpr[j], block_idx=j, **kwargs) for j in range(depth)])
+
+
+class BlocksThenDownsample(nn.Module):
+    """A hierarchical stage: ``self.blocks`` (token blocks taking ``(x, hw_shape)``) then an
+    optional ``self.downsample`` (``(x, hw) -> (x', hw')``). ``forward`` returns the stage output
+    with its grid and the next stage's input with its grid: ``(out, out_hw, next, next_hw)``."""
+
+    def forward(self, x, hw_shape):
+        for blk in self.blocks:
+            x = blk(x, hw_shape)
+        if self.downsample is None:
+            return x, hw_shape, x, hw_shape
+        down, down_hw = self.downsample(x, hw_shape)
+        return x, hw_shape, down, down_hw
