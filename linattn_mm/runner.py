@@ -63,6 +63,20 @@ def apply_launcher_defaults(cfg):
     return cfg
 
 
+def close_process_group(wait=True):
+    """Destroy the default process group (if any), after a barrier when ``wait`` (a failed rank
+    must not wait for the others). Leaving gloo's worker threads alive until interpreter shutdown
+    can abort a process at exit ("terminate called without an active exception") after a
+    successful run."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        try:
+            if wait:
+                dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
 def build_runner(cfg):
     """The config's runner (``runner_type`` if set, else mmengine's Runner)."""
     from mmengine.registry import RUNNERS

@@ -12,7 +12,7 @@ import numbers
 
 import linattn_mm  # noqa: F401
 from linattn_mm.runner import (add_common_args, apply_launcher_defaults, build_runner,
-                               load_config, parse_with_common)
+                               close_process_group, load_config, parse_with_common)
 
 
 def parse_args(argv=None):
@@ -53,7 +53,12 @@ def main(argv=None):
             cfg.test_evaluator = evaluators + [dict(type='DumpResults', out_file_path=args.out)]
     apply_launcher_defaults(cfg)
     runner = build_runner(cfg)
-    metrics = runner.test()
+    try:
+        metrics = runner.test()
+    except BaseException:
+        close_process_group(wait=False)
+        raise
+    close_process_group()
     if runner.rank == 0:
         print('linattn_mm metrics: ' + json.dumps(
             {k: (float(v) if isinstance(v, numbers.Real) else str(v))

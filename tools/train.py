@@ -8,7 +8,8 @@ import argparse
 
 import linattn_mm  # noqa: F401  (registers the backbones, allow-lists safe checkpoint objects)
 from linattn_mm.runner import (add_common_args, apply_launcher_defaults, build_runner,
-                               find_resume_checkpoint, load_config, parse_with_common)
+                               close_process_group, find_resume_checkpoint, load_config,
+                               parse_with_common)
 
 
 def parse_args(argv=None):
@@ -53,7 +54,12 @@ def main(argv=None):
         cfg.load_from = args.resume
     apply_launcher_defaults(cfg)
     runner = build_runner(cfg)
-    runner.train()
+    try:
+        runner.train()
+    except BaseException:
+        close_process_group(wait=False)
+        raise
+    close_process_group()
 
 
 if __name__ == '__main__':
