@@ -45,8 +45,11 @@ def list_models(pattern=None):
 
 
 def get_config(name):
-    """The :class:`mmengine.Config` of a zoo model (or of a config file path)."""
+    """The :class:`mmengine.Config` of a zoo model (or of a config file path; a ``Config`` is
+    returned as it is)."""
     from mmengine.config import Config
+    if isinstance(name, Config):
+        return name
     if osp.isfile(name):
         return Config.fromfile(name)
     zoo = _zoo()
@@ -66,6 +69,35 @@ def _merge(dst, src):
     return dst
 
 
+def build_model(name, pretrained_backbone=True, **kwargs):
+    """Build (without initialising or loading weights) the model of a zoo config, config file or
+    :class:`mmengine.Config`, in its library's registry and scope.
+
+    Args:
+        name (str | Config): model name from :func:`list_models`, a config file or a Config.
+        pretrained_backbone (bool): keep the backbone's ``Pretrained`` init_cfg (False drops it,
+            e.g. to count parameters and FLOPs, or when a whole checkpoint is loaded later).
+        **kwargs: merged into the config's ``model`` dict, e.g. ``backbone=dict(drop_path_rate=0)``.
+    """
+    import linattn_mm  # noqa: F401  (registration)
+    import importlib
+    from mmengine.config import ConfigDict
+    from mmengine.registry import DefaultScope
+    cfg = get_config(name)
+    model_cfg = ConfigDict(_merge(cfg.model.to_dict(), copy.deepcopy(kwargs)))
+    scope = cfg.get('default_scope', 'mmpretrain')
+    if scope not in SCOPE_REGISTRIES:
+        raise ValueError(f'config {name!r} has default_scope {scope!r}; expected one of '
+                         f'{sorted(SCOPE_REGISTRIES)}')
+    registry = importlib.import_module(SCOPE_REGISTRIES[scope]).MODELS
+    if not pretrained_backbone:
+        bb = model_cfg.get('backbone', {})
+        if isinstance(bb.get('init_cfg'), dict) and bb['init_cfg'].get('type') == 'Pretrained':
+            bb.pop('init_cfg')
+    with DefaultScope.overwrite_default_scope(scope):
+        return registry.build(model_cfg)
+
+
 def get_model(name, pretrained=None, device=None, allow_unsafe_pickle=None, **kwargs):
     """Build the model of a zoo config (or config file).
 
@@ -79,26 +111,9 @@ def get_model(name, pretrained=None, device=None, allow_unsafe_pickle=None, **kw
         allow_unsafe_pickle (bool, optional): opt in to full pickle loading of trusted files.
         **kwargs: merged into the config's ``model`` dict, e.g. ``backbone=dict(drop_path_rate=0)``.
     """
-    import linattn_mm  # noqa: F401  (registration)
-    import importlib
-    from mmengine.config import ConfigDict
-    from mmengine.registry import DefaultScope
-
     from linattn_mm.checkpoint import extract_state_dict, load_pretrained, safe_load
-    cfg = get_config(name)
-    model_cfg = ConfigDict(_merge(cfg.model.to_dict(), copy.deepcopy(kwargs)))
-    scope = cfg.get('default_scope', 'mmpretrain')
-    if scope not in SCOPE_REGISTRIES:
-        raise ValueError(f'config {name!r} has default_scope {scope!r}; expected one of '
-                         f'{sorted(SCOPE_REGISTRIES)}')
-    registry = importlib.import_module(SCOPE_REGISTRIES[scope]).MODELS
-    if pretrained is not None:
-        # the whole model is loaded below; do not load the backbone's own init checkpoint
-        bb = model_cfg.get('backbone', {})
-        if isinstance(bb.get('init_cfg'), dict) and bb['init_cfg'].get('type') == 'Pretrained':
-            bb.pop('init_cfg')
-    with DefaultScope.overwrite_default_scope(scope):
-        model = registry.build(model_cfg)
+    # with a checkpoint the whole model is loaded below: not the backbone's own init checkpoint
+    model = build_model(name, pretrained_backbone=pretrained is None, **kwargs)
     model.init_weights()
     if pretrained is not None:
         ckpt = safe_load(pretrained, allow_unsafe_pickle=allow_unsafe_pickle)

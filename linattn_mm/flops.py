@@ -8,12 +8,13 @@ counter runs the model under :class:`torch.utils.flop_counter.FlopCounterMode`, 
 the aten ops themselves (``mm``, ``bmm``, ``addmm``, convolutions, einsum through its bmm), and adds
 the CPU fused-attention kernel that torch's table lacks. MACs = FLOPs / 2.
 """
+import math
 from collections import defaultdict
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ['count_macs', 'MacCount', 'sdpa_macs']
+__all__ = ['count_macs', 'MacCount', 'sdpa_macs', 'dummy_inputs', 'config_macs', 'DEFAULT_SHAPES']
 
 aten = torch.ops.aten
 
@@ -78,3 +79,57 @@ def count_macs(fn, *args, **kwargs):
     for op, n in counter.get_flop_counts().get('Global', {}).items():
         by_op[str(op)] += n // 2
     return MacCount(counter.get_total_flops() // 2, by_module, dict(by_op))
+
+
+#: input shape (H, W) of each library's usual FLOP figures
+DEFAULT_SHAPES = {'mmdet': (800, 1333), 'mmseg': (512, 512), 'mmpretrain': (224, 224)}
+
+
+def dummy_inputs(cfg, shape):
+    """A batch of one random image at ``shape`` (H, W) for the model of ``cfg`` and its data
+    samples, as the data preprocessor would produce them: mmdet inputs are padded to the size
+    divisor; classifiers get no data samples."""
+    H, W = shape
+    scope = cfg.get('default_scope', 'mmpretrain')
+    if scope == 'mmdet':
+        div = cfg.model.get('data_preprocessor', {}).get('pad_size_divisor', 32) or 1
+        Hp, Wp = math.ceil(H / div) * div, math.ceil(W / div) * div
+        from mmdet.structures import DetDataSample
+        sample = DetDataSample(metainfo=dict(img_shape=(H, W), ori_shape=(H, W),
+                                             pad_shape=(Hp, Wp), batch_input_shape=(Hp, Wp),
+                                             scale_factor=(1.0, 1.0)))
+        return torch.randn(1, 3, Hp, Wp), [sample]
+    if scope == 'mmseg':
+        from mmseg.structures import SegDataSample
+        sample = SegDataSample(metainfo=dict(img_shape=(H, W), ori_shape=(H, W),
+                                             pad_shape=(H, W), batch_input_shape=(H, W)))
+        return torch.randn(1, 3, H, W), [sample]
+    return torch.randn(1, 3, H, W), None
+
+
+def config_macs(config, shape=None, part='model'):
+    """Parameters and MACs of the model of a config (file, zoo name or Config) at ``shape``
+    (default: :data:`DEFAULT_SHAPES` of its library). ``part='model'`` counts the whole forward in
+    ``mode='tensor'`` (backbone, neck and heads, as the stock get_flops tools; a two-stage detector
+    includes its RoI heads on the RPN proposals); ``'backbone'`` the backbone only.
+
+    Returns:
+        dict: scope, input_shape, part, params, macs, by_module (see :class:`MacCount`).
+    """
+    from linattn_mm.apis import build_model, get_config
+    cfg = get_config(config)
+    scope = cfg.get('default_scope', 'mmpretrain')
+    model = build_model(cfg, pretrained_backbone=False).eval()  # counting needs no weights
+    if shape is None:
+        shape = DEFAULT_SHAPES.get(scope, (224, 224))
+    shape = tuple(shape) if len(shape) == 2 else (shape[0], shape[0])
+    inputs, samples = dummy_inputs(cfg, shape)
+    if part == 'backbone':
+        counted = model.backbone
+        count = count_macs(counted, inputs)
+    else:
+        counted = model
+        count = count_macs(model, inputs, samples, mode='tensor')
+    return dict(scope=scope, input_shape=list(inputs.shape), part=part,
+                params=sum(p.numel() for p in counted.parameters()), macs=count.total,
+                by_module=count.by_module)

@@ -42,21 +42,16 @@ import math
 import os
 import os.path as osp
 import statistics
-import sys
 import time
 import types
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, osp.dirname(osp.abspath(__file__)))
-import linattn_mm  # noqa: E402,F401
-from linattn_mm.models.attentions.pola import PolaLinearAttention  # noqa: E402
-
-try:
-    from linattn_mm.utils import PeakMemoryCounter  # noqa: E402
-except ImportError:  # pragma: no cover - older checkouts
-    PeakMemoryCounter = None
+import linattn_mm  # noqa: F401
+from linattn_mm.flops import dummy_inputs
+from linattn_mm.models.attentions.pola import PolaLinearAttention
+from linattn_mm.utils import PeakMemoryCounter
 
 POLA_PVT = dict(type='PolaLinearAttention', qkv_layout='qg_kv', alpha=4, kernel_size=5,
                 la_sr_ratio=1)
@@ -212,10 +207,9 @@ def build_backbone(target):
 
 
 def build_full_model(target):
-    import get_flops  # tools/get_flops.py
+    from linattn_mm.apis import build_model
     cfg = _load_cfg(target)
-    model, scope = get_flops.build_model(cfg)
-    return model, scope, cfg
+    return build_model(cfg, pretrained_backbone=False).eval(), cfg
 
 
 # ------------------------------------------------------------------------------------------------
@@ -281,14 +275,9 @@ def peak_memory(run, device):
         out = run()
         _sync(device)
         return out, torch.cuda.max_memory_allocated(device) - base, 'cuda max_memory_allocated'
-    if PeakMemoryCounter is not None:
-        with PeakMemoryCounter() as mem:
-            out = run()
-        return out, mem.peak_bytes, 'PeakMemoryCounter (live tensor storage)'
-    import resource  # pragma: no cover
-    out = run()
-    return out, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, \
-        'process peak RSS (getrusage; includes weights and the interpreter)'
+    with PeakMemoryCounter() as mem:
+        out = run()
+    return out, mem.peak_bytes, 'PeakMemoryCounter (live tensor storage)'
 
 
 def measure_interleaved(variants, device, warmup, repeats, autocast_dtype):
@@ -386,8 +375,7 @@ def main(argv=None):
     device = torch.device(args.device)
     ac = {'fp32': None, 'bf16': torch.bfloat16, 'fp16': torch.float16}[args.dtype]
     torch.manual_seed(args.seed)
-    mem_note = ('cuda max_memory_allocated' if device.type == 'cuda' else
-                'PeakMemoryCounter' if PeakMemoryCounter is not None else 'peak RSS (getrusage)')
+    mem_note = 'cuda max_memory_allocated' if device.type == 'cuda' else 'PeakMemoryCounter'
     print(f'# torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, '
           f'dtype {args.dtype}, batch {args.batch}, warmup {args.warmup}, repeats {args.repeats}'
           f' (median), peak memory: {mem_note}')
@@ -420,14 +408,12 @@ def main(argv=None):
                 jobs.append((t, lambda t=t: build_backbone(t), call_bb))
             else:
                 def build_m(t=t):
-                    model, scope, cfg = build_full_model(t)
-                    model.linattn_bench = (scope, cfg)
+                    model, cfg = build_full_model(t)
+                    model.linattn_bench = cfg
                     return model
 
                 def call_m(model, hw):
-                    import get_flops
-                    scope, cfg = model.linattn_bench
-                    inputs, samples = get_flops.make_inputs(scope, hw, cfg)
+                    inputs, samples = dummy_inputs(model.linattn_bench, hw)
                     inputs = inputs.to(device).expand(args.batch, -1, -1, -1).contiguous()
                     inputs.normal_()
                     if samples is not None:

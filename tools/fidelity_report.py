@@ -17,10 +17,8 @@ import os.path as osp
 import sys
 import time
 
-import torch
-
 import linattn_mm  # noqa: F401
-from linattn_mm.flops import count_macs
+from linattn_mm.flops import config_macs
 
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 PARAM_TOL, FLOP_TOL = 0.03, 0.05
@@ -116,20 +114,6 @@ def find_config(name):
     return None
 
 
-def measure(config, size=224):
-    """Parameters and MACs of the classifier of ``config`` at ``size``² (1000-class head)."""
-    from mmengine.config import Config
-    from mmengine.registry import MODELS, init_default_scope
-    cfg = Config.fromfile(config)
-    init_default_scope(cfg.get('default_scope', 'mmpretrain'))
-    model_cfg = cfg.model.copy()
-    model_cfg['backbone']['init_cfg'] = None
-    model = MODELS.build(model_cfg).eval()
-    params = sum(p.numel() for p in model.parameters())
-    macs = count_macs(model, torch.randn(1, 3, size, size), mode='tensor').total
-    return params, macs
-
-
 def rel(ours, paper):
     return None if paper is None else ours / paper - 1
 
@@ -144,7 +128,8 @@ def build_rows(only=None, log=print):
             log(f'[{i}/{len(todo)}] {name}: no config')
             continue
         t0 = time.time()
-        params, macs = measure(config)
+        counted = config_macs(config, (224, 224))  # the classifier, 1000-class head included
+        params, macs = counted['params'], counted['macs']
         d_p, d_f = rel(params / 1e6, p_m), rel(macs / 1e9, p_g)
         flagged = (d_p is not None and abs(d_p) > PARAM_TOL) or \
             (d_f is not None and abs(d_f) > FLOP_TOL)

@@ -12,17 +12,13 @@ stock get_flops tools do; a two-stage detector includes its RoI heads on the RPN
 """
 import argparse
 import json
-import math
-
-import torch
 
 import linattn_mm  # noqa: F401
-from linattn_mm.flops import count_macs
-
-DEFAULT_SHAPES = {'mmdet': (800, 1333), 'mmseg': (512, 512), 'mmpretrain': (224, 224)}
+from linattn_mm.flops import config_macs
 
 
 def parse_args(argv=None):
+    from mmengine.config import DictAction
     p = argparse.ArgumentParser(description='Count parameters and MACs of a model')
     p.add_argument('config', help='config file (mmdet, mmseg or mmpretrain)')
     p.add_argument('--shape', type=int, nargs='+', help='input H W (or one side for a square)')
@@ -30,72 +26,19 @@ def parse_args(argv=None):
     p.add_argument('--depth', type=int, default=2,
                    help='print per-module MACs down to this module depth (0: total only)')
     p.add_argument('--json', help='also write the numbers to this JSON file')
-    p.add_argument('--cfg-options', nargs='+', default=[], metavar='KEY=VALUE',
+    p.add_argument('--cfg-options', nargs='+', action=DictAction, metavar='KEY=VALUE',
                    help='override config entries')
     return p.parse_args(argv)
 
 
-def _cfg_options(pairs):
-    from mmengine.config import DictAction
-    action = DictAction(option_strings=['--cfg-options'], dest='cfg_options')
-    ns = argparse.Namespace()
-    action(None, ns, pairs)
-    return ns.cfg_options
-
-
-def build_model(cfg):
-    from mmengine.registry import MODELS, init_default_scope
-    scope = cfg.get('default_scope', 'mmdet')
-    init_default_scope(scope)
-    model_cfg = cfg.model.copy()
-    bb = model_cfg.get('backbone')
-    if isinstance(bb, dict) and bb.get('init_cfg', {}) and \
-            bb['init_cfg'].get('type') == 'Pretrained':
-        bb['init_cfg'] = None  # counting needs no weights
-    return MODELS.build(model_cfg).eval(), scope
-
-
-def make_inputs(scope, shape, cfg):
-    """Batch of one image at ``shape`` (padded to the size divisor for mmdet) and its data
-    samples, as the data preprocessor would produce them."""
-    H, W = shape
-    if scope == 'mmdet':
-        div = cfg.model.get('data_preprocessor', {}).get('pad_size_divisor', 32) or 1
-        Hp, Wp = math.ceil(H / div) * div, math.ceil(W / div) * div
-        from mmdet.structures import DetDataSample
-        sample = DetDataSample(metainfo=dict(img_shape=(H, W), ori_shape=(H, W),
-                                             pad_shape=(Hp, Wp), batch_input_shape=(Hp, Wp),
-                                             scale_factor=(1.0, 1.0)))
-        return torch.randn(1, 3, Hp, Wp), [sample]
-    if scope == 'mmseg':
-        from mmseg.structures import SegDataSample
-        sample = SegDataSample(metainfo=dict(img_shape=(H, W), ori_shape=(H, W),
-                                             pad_shape=(H, W), batch_input_shape=(H, W)))
-        return torch.randn(1, 3, H, W), [sample]
-    return torch.randn(1, 3, H, W), None
-
-
 def get_flops(config, shape=None, part='model', cfg_options=None):
-    """Returns a dict: config, scope, input shape, part, params, MACs and per-module MACs."""
+    """:func:`linattn_mm.flops.config_macs` of a config file with ``cfg_options`` merged; the
+    result also names the config."""
     from mmengine.config import Config
     cfg = Config.fromfile(config)
     if cfg_options:
         cfg.merge_from_dict(cfg_options)
-    model, scope = build_model(cfg)
-    if shape is None:
-        shape = DEFAULT_SHAPES.get(scope, (224, 224))
-    shape = tuple(shape) if len(shape) == 2 else (shape[0], shape[0])
-    inputs, samples = make_inputs(scope, shape, cfg)
-    if part == 'backbone':
-        target, params = model.backbone, sum(p.numel() for p in model.backbone.parameters())
-        count = count_macs(model.backbone, inputs)
-    else:
-        params = sum(p.numel() for p in model.parameters())
-        count = count_macs(model, inputs, samples, mode='tensor')
-        target = model
-    del target
-    return dict(config=config, scope=scope, input_shape=list(inputs.shape), part=part,
-                params=params, macs=count.total, by_module=count.by_module)
+    return dict(config=config, **config_macs(cfg, shape, part))
 
 
 def module_rows(by_module, depth):
@@ -120,8 +63,7 @@ def module_rows(by_module, depth):
 
 def main(argv=None):
     args = parse_args(argv)
-    res = get_flops(args.config, args.shape, args.part,
-                    _cfg_options(args.cfg_options) if args.cfg_options else None)
+    res = get_flops(args.config, args.shape, args.part, args.cfg_options)
     print(f"{res['config']}  [{res['scope']}, {args.part}, input {res['input_shape']}]")
     print(f"params: {res['params'] / 1e6:.3f} M")
     print(f"MACs  : {res['macs'] / 1e9:.3f} G   (the 'FLOPs' of OpenMMLab and paper tables)")
