@@ -38,66 +38,65 @@ import torch.nn.functional as F
 from linattn_mm.registry import ATTENTIONS, register_backbone
 from ..utils.grid import resize_grid_embed
 from .base import BaseTokenMixer, merge_heads, run_in_fp32, split_heads
-from .softmax import window_partition, window_reverse
+from .softmax import shift_region_labels, window_partition, window_reverse
 
-__all__ = ['PolyNL2d', 'PolySelfAttention', 'poly_pool', 'poly_spread', 'shift_region_ids',
-           'polynl_cost']
+__all__ = ['PolyNL2d', 'PolySelfAttention', 'poly_pool', 'poly_spread', 'region_onehot',
+           'shift_region_ids', 'polynl_cost']
 
 
 # ------------------------------------------------------------------------------------------------
 # kernels (pure torch; the modules below only arrange tensors around them)
 # ------------------------------------------------------------------------------------------------
-def poly_pool(kv, weight, region=None, num_regions=1):
+def poly_pool(kv, weight, regions=None):
     """Weighted pooling of ``kv`` over positions: ``s[.., r, :] = sum_n weight[h, n] kv[.., h, n, :]``
     over the positions ``n`` of region ``r``.
 
     Args:
         kv (Tensor): (B, h, n, d) the products K ⊙ V.
         weight (Tensor): (h, n) pooling weights p2.
-        region (Tensor, optional): (B, n) integer region of every position (-1: not pooled). With
-            ``None`` every position is in region 0.
-        num_regions (int): number of regions R.
+        regions (Tensor, optional): (B, n, R) one-hot region of every position (all zeros: not
+            pooled), see :func:`region_onehot`. With ``None`` every position is in one region.
 
     Returns:
         Tensor: (B, h, R, d).
     """
-    if region is None:
+    if regions is None:
         return torch.einsum('hn,bhnd->bhd', weight, kv).unsqueeze(2)
-    onehot = F.one_hot(region.clamp(min=0), num_regions).to(kv.dtype)
-    onehot = onehot * (region >= 0).unsqueeze(-1).to(kv.dtype)  # (B, n, R)
-    return torch.einsum('bnr,hn,bhnd->bhrd', onehot, weight, kv)
+    return torch.einsum('bnr,hn,bhnd->bhrd', regions, weight, kv)
 
 
-def poly_spread(q, weight, pooled, region=None, num_regions=1):
-    """``y[.., h, n, :] = q[.., h, n, :] * weight[h, n] * pooled[.., h, region(n), :]``; positions of
-    region -1 get 0.
+def poly_spread(q, weight, pooled, regions=None):
+    """``y[.., h, n, :] = q[.., h, n, :] * weight[h, n] * pooled[.., h, region(n), :]``; positions in
+    no region get 0.
 
     Args:
         q (Tensor): (B, h, n, d). weight (Tensor): (h, n) p1. pooled (Tensor): (B, h, R, d).
-        region (Tensor, optional): (B, n) as in :func:`poly_pool`.
+        regions (Tensor, optional): (B, n, R) as in :func:`poly_pool`.
     """
-    if region is None:
+    if regions is None:
         return q * weight[None, :, :, None] * pooled
-    onehot = F.one_hot(region.clamp(min=0), num_regions).to(q.dtype)
-    onehot = onehot * (region >= 0).unsqueeze(-1).to(q.dtype)
-    return q * weight[None, :, :, None] * torch.einsum('bnr,bhrd->bhnd', onehot, pooled)
+    return q * weight[None, :, :, None] * torch.einsum('bnr,bhrd->bhnd', regions, pooled)
+
+
+def region_onehot(region, num_regions, dtype):
+    """(..., n) integer regions (-1: none) -> (..., n, R) one-hot rows (all zeros for -1)."""
+    onehot = F.one_hot(region.clamp(min=0), num_regions).to(dtype)
+    return onehot * (region >= 0).unsqueeze(-1).to(dtype)
 
 
 def shift_region_ids(H, W, window_size, shift, device):
     """Region id of every position of the padded, cyclically shifted ``Hp × Wp`` grid, laid out as
-    windows: (nW, ws*ws) with ids 0..8 (the nine Swin shift regions; all 0 without shift) and -1 for
-    the bottom/right padding added to reach multiples of ``window_size``. Two positions of one
+    windows: (nW, ws*ws) with ids 0..8 (the nine Swin shift regions of
+    :func:`~linattn_mm.models.attentions.softmax.shift_region_labels`; all 0 without shift) and -1
+    for the bottom/right padding added to reach multiples of ``window_size``. Two positions of one
     window may be pooled together exactly when the Swin shift mask lets them attend each other (and
     neither is padding)."""
     ws = window_size
     Hp, Wp = H + (-H) % ws, W + (-W) % ws
-    ids = torch.zeros(1, Hp, Wp, 1, device=device, dtype=torch.long)
     if shift:
-        cnt = 0
-        for hs in (slice(0, -ws), slice(-ws, -shift), slice(-shift, None)):
-            for wsl in (slice(0, -ws), slice(-ws, -shift), slice(-shift, None)):
-                ids[:, hs, wsl, :] = cnt
-                cnt += 1
+        ids = shift_region_labels(Hp, Wp, ws, shift, device, dtype=torch.long)
+    else:
+        ids = torch.zeros(1, Hp, Wp, 1, device=device, dtype=torch.long)
     pad = torch.zeros(1, Hp, Wp, 1, device=device, dtype=torch.bool)
     pad[:, H:] = True
     pad[:, :, W:] = True
@@ -411,11 +410,11 @@ class PolySelfAttention(BaseTokenMixer):
         nW = (Hp // ws) * (Wp // ws)
         Bw = q.shape[0]
         region = shift_region_ids(H, W, ws, s, q.device).repeat(Bw // nW, 1)  # (B*nW, n)
-        R = int(region.max().item()) + 1
+        regions = region_onehot(region, 9 if s else 1, q.dtype)  # 9 Swin shift regions
         p1 = self.p1[0].to(q.dtype).transpose(0, 1)
         p2 = self.p2[0].to(q.dtype).transpose(0, 1)
-        pooled = self._sigma(poly_pool(k * v, p2, region, R))
-        y = merge_heads(poly_spread(q, p1, pooled, region, R))  # (B*nW, n, C)
+        pooled = self._sigma(poly_pool(k * v, p2, regions))
+        y = merge_heads(poly_spread(q, p1, pooled, regions))  # (B*nW, n, C)
         g = window_reverse(y, ws, Hp, Wp)
         if s:
             g = torch.roll(g, shifts=(s, s), dims=(1, 2))

@@ -67,16 +67,23 @@ def window_reverse(windows, ws, H, W):
     return x.reshape(B, H, W, C)
 
 
-def shift_window_mask(Hp, Wp, ws, shift, device):
-    """Additive mask (nW, ws*ws, ws*ws) that keeps cyclically shifted windows from mixing regions
-    that are not adjacent in the image (Swin SW-MSA)."""
-    img = torch.zeros(1, Hp, Wp, 1, device=device)
+def shift_region_labels(Hp, Wp, ws, shift, device, dtype=torch.float32):
+    """(1, Hp, Wp, 1) labels 0..8 of the nine regions of a grid cyclically shifted by ``shift``
+    (Swin SW-MSA): after the shift, positions of different regions were not adjacent in the
+    image."""
+    img = torch.zeros(1, Hp, Wp, 1, device=device, dtype=dtype)
     cnt = 0
     for hs in (slice(0, -ws), slice(-ws, -shift), slice(-shift, None)):
         for wsl in (slice(0, -ws), slice(-ws, -shift), slice(-shift, None)):
             img[:, hs, wsl, :] = cnt
             cnt += 1
-    win = window_partition(img, ws).squeeze(-1)
+    return img
+
+
+def shift_window_mask(Hp, Wp, ws, shift, device):
+    """Additive mask (nW, ws*ws, ws*ws) that keeps cyclically shifted windows from mixing regions
+    that are not adjacent in the image (Swin SW-MSA)."""
+    win = window_partition(shift_region_labels(Hp, Wp, ws, shift, device), ws).squeeze(-1)
     mask = win[:, None, :] - win[:, :, None]
     return mask.masked_fill(mask != 0, -100.0).masked_fill(mask == 0, 0.0)
 
