@@ -16,7 +16,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from linattn_mm.registry import register_backbone
 from ..attentions.base import build_attention
 from ..attentions.nala import RoPE2d
-from ..utils.layers import DropPath
+from ..utils.layers import DropPath, build_bn
 from .base import LinAttnBackbone, drop_path_rates, per_stage, resolve_arch
 
 _ARCH_KEYS = ('embed_dims', 'depths', 'num_heads', 'mlp_ratios')
@@ -26,22 +26,6 @@ ATTN_TYPES = {
     'nala': dict(type='NormAwareLinearAttention'),
     'softmax': dict(type='NaLaSoftmaxAttention'),
 }
-
-_NORM_LAYERS = {'BN': nn.BatchNorm2d, 'BN2d': nn.BatchNorm2d, 'SyncBN': nn.SyncBatchNorm}
-
-
-def build_bn(norm_cfg, num_features):
-    """BatchNorm of ``norm_cfg`` (``type`` in ``BN``/``BN2d``/``SyncBN``, other keys passed on,
-    e.g. ``momentum``, ``eps``, ``requires_grad``)."""
-    cfg = dict(norm_cfg)
-    kind = cfg.pop('type', 'BN')
-    requires_grad = cfg.pop('requires_grad', True)
-    if kind not in _NORM_LAYERS:
-        raise KeyError(f'norm_cfg type must be one of {sorted(_NORM_LAYERS)}, got {kind!r}')
-    layer = _NORM_LAYERS[kind](num_features, **cfg)
-    for p in layer.parameters():
-        p.requires_grad = requires_grad
-    return layer
 
 
 class LayerNorm2d(nn.Module):

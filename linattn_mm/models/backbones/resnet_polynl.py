@@ -17,8 +17,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from linattn_mm.registry import register_backbone
 from ..attentions.poly import PolyNL2d
+from ..utils.layers import build_bn
 from .base import LinAttnBackbone
-from .nalaformer import build_bn
 
 
 class Bottleneck(nn.Module):
@@ -177,9 +177,7 @@ class PolyNLResNet(LinAttnBackbone):
                 raise ValueError(f'{name}: polynl block {block} out of range for stage {stage} '
                                  f'with {n} blocks')
             block %= n
-            # the input of block 0 of a stage > 0 has the previous stage's channels
-            channels = (64 * 2**stage * 4) if block > 0 else (64 if stage == 0 else
-                                                              64 * 2**(stage - 1) * 4)
+            channels = getattr(self, f'layer{stage + 1}')[block].conv1.in_channels
             mod_name = f'polynl_layer{stage + 1}_{block}'
             if mod_name in dict(self.named_children()):
                 raise ValueError(f'{name}: Poly-NL position {(stage, block)} given twice')

@@ -10,6 +10,23 @@ from linattn_mm.models.attentions.base import build_attention
 from .grid import resize_grid_embed  # noqa: F401  (re-exported for the skeletons)
 
 
+_NORM_LAYERS = {'BN': nn.BatchNorm2d, 'BN2d': nn.BatchNorm2d, 'SyncBN': nn.SyncBatchNorm}
+
+
+def build_bn(norm_cfg, num_features):
+    """BatchNorm of ``norm_cfg`` (``type`` in ``BN``/``BN2d``/``SyncBN``, other keys passed on,
+    e.g. ``momentum``, ``eps``, ``requires_grad``)."""
+    cfg = dict(norm_cfg)
+    kind = cfg.pop('type', 'BN')
+    requires_grad = cfg.pop('requires_grad', True)
+    if kind not in _NORM_LAYERS:
+        raise KeyError(f'norm_cfg type must be one of {sorted(_NORM_LAYERS)}, got {kind!r}')
+    layer = _NORM_LAYERS[kind](num_features, **cfg)
+    for p in layer.parameters():
+        p.requires_grad = requires_grad
+    return layer
+
+
 class DropPath(nn.Module):
     """Stochastic depth per sample."""
 
