@@ -32,7 +32,7 @@ import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
 from linattn_mm.registry import ATTENTIONS
-from .base import BaseTokenMixer, merge_heads, split_heads
+from .base import BaseTokenMixer, merge_heads, run_in_fp32, split_heads
 
 __all__ = [
     'SeTAttention', 'gaussian_kernel', 'nystrom_similarity', 'positional_log_kernel',
@@ -448,18 +448,12 @@ class SeTAttention(BaseTokenMixer):
             valid = valid[:, None, :, None]
         return plan, valid, n_valid
 
-    def _run(self, fn, x, *args):
-        """``fn(x, *args)``, in float32 with autocast disabled under autocast when ``fp32``."""
-        if self.fp32 and torch.is_autocast_enabled(x.device.type):
-            with torch.autocast(x.device.type, enabled=False):
-                return fn(x.float(), *args)
-        return fn(x, *args)
-
     def transport_plan(self, x, hw_shape, key_padding_mask=None):
         """The transport plans T (B, h, N, m) of tokens ``x`` (for analysis and tests; float32
         under autocast when ``fp32``)."""
         self.check_input(x, hw_shape)
-        return self._run(lambda t, *a: self._plan(t, *a)[0], x, hw_shape, key_padding_mask)
+        return run_in_fp32(lambda t, *a: self._plan(t, *a)[0], x, hw_shape, key_padding_mask,
+                           enabled=self.fp32)
 
     # --- forward -------------------------------------------------------------------------------
     def forward(self, x, hw_shape, key_padding_mask=None):
@@ -468,7 +462,7 @@ class SeTAttention(BaseTokenMixer):
 
         Returns: Tensor (B, N, C) (float32 under autocast when ``fp32``)."""
         self.check_input(x, hw_shape)
-        return self._run(self._forward, x, hw_shape, key_padding_mask)
+        return run_in_fp32(self._forward, x, hw_shape, key_padding_mask, enabled=self.fp32)
 
     def _forward(self, x, hw_shape, key_padding_mask):
         plan, valid, n_valid = self._plan(x, hw_shape, key_padding_mask)
