@@ -8,12 +8,15 @@ import torch
 import linattn_mm
 from linattn_mm.registry import registered_backbones
 
-BACKBONES = ['LinAttnPVT', 'LinAttnPVTv2', 'LinAttnSwin', 'LinAttnViT', 'PolyNLResNet']
+BACKBONES = ['LinAttnPVT', 'LinAttnPVTv2', 'LinAttnSwin', 'LinAttnViT', 'PolyNLResNet',
+             'SeTformer']
 SMALL = dict(LinAttnPVT=dict(arch='t'), LinAttnPVTv2=dict(arch='b0'),
              LinAttnSwin=dict(arch=dict(embed_dims=16, depths=[1, 1, 1, 1],
                                         num_heads=[1, 2, 2, 4])),
              LinAttnViT=dict(arch=dict(embed_dims=32, depth=4, num_heads=2)),
-             PolyNLResNet=dict(depth=50))
+             PolyNLResNet=dict(depth=50),
+             SeTformer=dict(arch=dict(embed_dims=16, depths=[1, 1, 1, 1], num_heads=[1, 2, 2, 4],
+                                      mlp_ratio=2), attn_cfg=dict(type='SeTAttention', num_refs=8)))
 
 
 def test_every_backbone_is_registered_once():
