@@ -58,6 +58,22 @@ class BaseTokenMixer(BaseModule):
     def forward(self, x, hw_shape):  # pragma: no cover - interface
         raise NotImplementedError
 
+    #: True if :meth:`attention_weights` gives the mixer's explicit token-to-token weights.
+    has_attention_weights = False
+
+    def attention_weights(self, x, hw_shape):
+        """The token-to-token weights ``A`` the mixer applies to its values, for analysis.
+
+        Returns a dict with ``weights`` (B, h, N, n): row ``i`` holds the weights query token ``i``
+        gives the ``n`` key tokens (extra tokens first, then the key grid row-major), and
+        ``key_hw``, the key grid (the query grid, or a reduced one). Families without pairwise
+        weights (a polynomial or pooled mixing) do not implement it; use
+        :func:`linattn_mm.analysis.influence_map` for them. Dense: meant for small inputs.
+        """
+        raise NotImplementedError(
+            f'{type(self).__name__} has no explicit token-to-token attention weights; use '
+            f'linattn_mm.analysis.influence_map')
+
 
 def run_in_fp32(fn, x, *args, enabled=True, **kwargs):
     """``fn(x, *args, **kwargs)``; when ``enabled`` and autocast is on for ``x``'s device, with

@@ -265,6 +265,24 @@ class NormAwareLinearAttention(_NaLaBlockMixin):
             y = self._gate((phi_q @ kv) * z, lepe, g)
         return self._output(y)
 
+    has_attention_weights = True
+
+    def attention_weights(self, x, hw_shape, rope=None):
+        """(B, h, N, N) weights of the core, ``A_ij = <R phi(q_i), R phi(k_j)> / (N phi(q_i).mean
+        phi(k))``: the core output is ``A v``. The RoPE rotation ``R`` is on the numerator only
+        (official), so entries can be negative and rows need not sum to 1."""
+        self.check_input(x, hw_shape)
+        q, k, _, _, _ = self._project(x, hw_shape)
+        with _no_autocast(x.device):
+            N = q.shape[-2]
+            phi_q, phi_k = self.feature_maps(q, k)
+            z = 1.0 / (phi_q @ phi_k.mean(dim=-2, keepdim=True).transpose(-2, -1) + self.eps)
+            sin, cos = self._rope(hw_shape, rope, q.dtype, q.device)
+            if sin is not None:
+                phi_q, phi_k = apply_rope(phi_q, sin, cos), apply_rope(phi_k, sin, cos)
+            weights = (phi_q @ phi_k.transpose(-2, -1)) / N * z
+        return dict(weights=weights, key_hw=tuple(hw_shape))
+
     def extra_repr(self):
         return (f'embed_dims={self.embed_dims}, num_heads={self.num_heads}, kernel={self.kernel}, '
                 f'power={self.power}, use_rope={self.use_rope}')
@@ -299,6 +317,18 @@ class NaLaSoftmaxAttention(_NaLaBlockMixin):
         self.scale = qk_scale or self.head_dims ** -0.5
         self.attn_drop = attn_drop
         self._build_common(embed_dims, qkv_bias, lepe_kernel_size, proj_drop, use_rope, rope_base)
+
+    has_attention_weights = True
+
+    def attention_weights(self, x, hw_shape, rope=None):
+        self.check_input(x, hw_shape)
+        q, k, _, _, _ = self._project(x, hw_shape)
+        with _no_autocast(x.device):
+            sin, cos = self._rope(hw_shape, rope, q.dtype, q.device)
+            if sin is not None:
+                q, k = apply_rope(q, sin, cos), apply_rope(k, sin, cos)
+            weights = (q @ k.transpose(-2, -1) * self.scale).softmax(-1)
+        return dict(weights=weights, key_hw=tuple(hw_shape))
 
     def forward(self, x, hw_shape, rope=None):
         self.check_input(x, hw_shape)

@@ -395,6 +395,35 @@ class PolaLinearAttention(BaseTokenMixer):
         out = self.dwc(v.reshape(B * h, d, H, W))
         return out.reshape(B, h * d, H * W).transpose(1, 2)
 
+    has_attention_weights = True
+
+    def attention_weights(self, x, hw_shape):
+        """Weights of the two polarity streams (reference formulas, no fast path): ``same``
+        (B, h, N, n) acts on the first ``ceil(d/2)`` value channels of each head, ``opposite`` on
+        the rest; each row sums to 1 up to ``eps``. ``weights`` is their mean. The local DWC(v)
+        term is not a token-to-token weight and is not included."""
+        self.check_input(x, hw_shape)
+        q, k, _, _, kv_hw = self._project(x, tuple(hw_shape))
+        e = self.num_extra_tokens
+        if self.use_pos_enc:
+            pe = self.pos_enc(kv_hw)
+            k = k + (F.pad(pe, (0, 0, e, 0)) if e else pe)
+        if self.temperature:
+            s = F.softplus(self.scale)
+            q, k = q / s, k / s
+        q, k = split_heads(q, self.num_heads), split_heads(k, self.num_heads)
+        p = self.exponent()
+        q_pos, q_neg = F.relu(q) ** p, F.relu(-q) ** p
+        kk = torch.cat([F.relu(k) ** p, F.relu(-k) ** p], dim=-1)
+        k_mean = kk.mean(dim=-2, keepdim=True).transpose(-2, -1)
+        n = k.shape[-2]
+        streams = {}
+        for name, qf in (('same', torch.cat([q_pos, q_neg], -1)),
+                         ('opposite', torch.cat([q_neg, q_pos], -1))):
+            streams[name] = (qf @ kk.transpose(-2, -1) / n) / (qf @ k_mean + self.eps)
+        return dict(weights=(streams['same'] + streams['opposite']) / 2, key_hw=tuple(kv_hw),
+                    **streams)
+
     # --- forward -------------------------------------------------------------------------------
     def forward(self, x, hw_shape):
         self.check_input(x, hw_shape)

@@ -455,6 +455,19 @@ class SeTAttention(BaseTokenMixer):
         return run_in_fp32(lambda t, *a: self._plan(t, *a)[0], x, hw_shape, key_padding_mask,
                            enabled=self.fp32)
 
+    has_attention_weights = True
+
+    def attention_weights(self, x, hw_shape):
+        """The self-kernel attention ``A = T Tᵀ`` (B, h, N, N) of the transport plan, divided by
+        its row sums (``row_normalize``) or scaled by ``N·m``: the output is ``proj(A v)``."""
+        plan = self.transport_plan(x, hw_shape)
+        a = plan @ plan.transpose(-1, -2)
+        if self.row_normalize:
+            a = a / a.sum(-1, keepdim=True)
+        else:
+            a = a * (x.shape[1] * self.num_refs)
+        return dict(weights=a, key_hw=tuple(hw_shape))
+
     # --- forward -------------------------------------------------------------------------------
     def forward(self, x, hw_shape, key_padding_mask=None):
         """Args: x (Tensor): (B, N, C), N = num_extra_tokens + H*W; hw_shape: (H, W);

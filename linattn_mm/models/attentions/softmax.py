@@ -40,6 +40,14 @@ class GlobalSoftmaxAttention(BaseTokenMixer):
             q, k, v, dropout_p=self.attn_drop if self.training else 0., scale=self.scale)
         return self.proj_drop(self.proj(merge_heads(out)))
 
+    has_attention_weights = True
+
+    def attention_weights(self, x, hw_shape):
+        self.check_input(x, hw_shape)
+        q, k, _ = split_heads(self.qkv(x), self.num_heads * 3).chunk(3, dim=1)
+        return dict(weights=(q @ k.transpose(-2, -1) * self.scale).softmax(-1),
+                    key_hw=tuple(hw_shape))
+
 
 def relative_position_index(window_size):
     """Index (Wh*Ww, Wh*Ww) into a ((2Wh-1)*(2Ww-1), h) bias table, as in Swin."""
@@ -132,18 +140,23 @@ class WindowSoftmaxAttention(BaseTokenMixer):
         bias = self.relative_position_bias_table[self.relative_position_index.view(-1)]
         return bias.view(n, n, -1).permute(2, 0, 1).contiguous()  # (h, n, n)
 
-    def forward(self, x, hw_shape):
-        self.check_input(x, hw_shape)
-        B, N, C = x.shape
+    def _geometry(self, hw_shape):
+        """(shift, padded H, padded W) of an H×W grid."""
         H, W = hw_shape
         ws, s = self.window_size, self.shift_size
         if H <= ws and W <= ws:
             s = 0  # one window holds the whole map: no shift (as the official Swin)
+        return s, H + (-H) % ws, W + (-W) % ws
+
+    def _windows(self, x, hw_shape):
+        """Tokens -> per-window q, k, v (B*nW, h, n, d) and the additive logit bias."""
+        B, N, C = x.shape
+        H, W = hw_shape
+        ws = self.window_size
+        s, Hp, Wp = self._geometry(hw_shape)
         x = x.view(B, H, W, C)
-        pad_b, pad_r = (-H) % ws, (-W) % ws
-        if pad_b or pad_r:
-            x = F.pad(x, (0, 0, 0, pad_r, 0, pad_b))
-        Hp, Wp = H + pad_b, W + pad_r
+        if Hp != H or Wp != W:
+            x = F.pad(x, (0, 0, 0, Wp - W, 0, Hp - H))
         if s:
             x = torch.roll(x, shifts=(-s, -s), dims=(1, 2))
         windows = window_partition(x, ws)  # (B*nW, n, C)
@@ -152,6 +165,41 @@ class WindowSoftmaxAttention(BaseTokenMixer):
         if s:
             mask = shift_window_mask(Hp, Wp, ws, s, x.device).to(q.dtype)  # (nW, n, n)
             bias = (bias + mask[:, None]).repeat(B, 1, 1, 1)  # (B*nW, h, n, n)
+        return q, k, v, bias
+
+    has_attention_weights = True
+
+    def attention_weights(self, x, hw_shape):
+        """Dense (B, h, H*W, H*W) weights: each query's row is its (shifted) window's softmax,
+        zero elsewhere. Keys on the bottom/right padding are left out, so rows of windows that
+        reach into the padding sum to less than 1."""
+        self.check_input(x, hw_shape)
+        B = x.shape[0]
+        H, W = hw_shape
+        ws = self.window_size
+        s, Hp, Wp = self._geometry(hw_shape)
+        q, k, _, bias = self._windows(x, hw_shape)
+        attn = (q @ k.transpose(-2, -1) * self.scale + bias).softmax(-1)  # (B*nW, h, n, n)
+        # the padded-grid index of every window position, in the image's (unshifted) frame
+        pos = torch.arange(Hp * Wp, device=x.device).view(1, Hp, Wp, 1)
+        if s:
+            pos = torch.roll(pos, shifts=(-s, -s), dims=(1, 2))
+        pos = window_partition(pos, ws).squeeze(-1)  # (nW, n)
+        nW, n = pos.shape
+        full = attn.new_zeros(B, self.num_heads, Hp * Wp, Hp * Wp)
+        full[:, :, pos[:, :, None].expand(nW, n, n), pos[:, None, :].expand(nW, n, n)] = \
+            attn.view(B, nW, self.num_heads, n, n).permute(0, 2, 1, 3, 4)
+        keep = (torch.arange(Hp, device=x.device)[:, None] * Wp
+                + torch.arange(W, device=x.device)[None, :])[:H].reshape(-1)
+        return dict(weights=full[:, :, keep][:, :, :, keep], key_hw=(H, W))
+
+    def forward(self, x, hw_shape):
+        self.check_input(x, hw_shape)
+        B, N, C = x.shape
+        H, W = hw_shape
+        ws = self.window_size
+        s, Hp, Wp = self._geometry(hw_shape)
+        q, k, v, bias = self._windows(x, hw_shape)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=bias, dropout_p=self.attn_drop if self.training else 0.,
             scale=self.scale)
@@ -214,6 +262,22 @@ class SRSoftmaxAttention(BaseTokenMixer):
                                  f'sr_ratio={self.sr_ratio}; use a larger input')
             grid = self.norm(self.sr(grid).flatten(2).transpose(1, 2))
         return torch.cat([extra, grid], dim=1) if e else grid
+
+    def key_grid(self, hw_shape):
+        """The grid K/V live on."""
+        H, W = hw_shape
+        if self.linear:
+            return (7, 7)
+        return (H // self.sr_ratio, W // self.sr_ratio)
+
+    has_attention_weights = True
+
+    def attention_weights(self, x, hw_shape):
+        self.check_input(x, hw_shape)
+        q = split_heads(self.q(x), self.num_heads)
+        k, _ = split_heads(self.kv(self.reduce(x, hw_shape)), self.num_heads * 2).chunk(2, dim=1)
+        return dict(weights=(q @ k.transpose(-2, -1) * self.scale).softmax(-1),
+                    key_hw=self.key_grid(hw_shape))
 
     def forward(self, x, hw_shape):
         self.check_input(x, hw_shape)
