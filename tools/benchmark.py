@@ -42,6 +42,7 @@ import math
 import os
 import os.path as osp
 import statistics
+import sys
 import time
 import types
 
@@ -364,6 +365,27 @@ def _randomise_pola(model, seed):
                     torch.randn(m.positional_encoding.shape, generator=g) * 0.3)
 
 
+def progress_bar(total, desc):
+    """A tqdm bar on stderr when stderr is a terminal, else None (stdout is never touched)."""
+    if not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit='run', file=sys.stderr, leave=False,
+                dynamic_ncols=True)
+
+
+def emit(bar, line):
+    """``print(line)`` to stdout; with a bar, written above it so the bar stays intact."""
+    if bar is None:
+        print(line, flush=True)
+    else:
+        bar.write(line, file=sys.stdout)
+        sys.stdout.flush()
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.list:
@@ -427,7 +449,10 @@ def main(argv=None):
                 jobs.append((t, build_m, call_m))
 
     results = []
+    bar = progress_bar(len(jobs) * len(sizes), 'benchmark')
     for name, build, call in jobs:
+        if bar is not None:
+            bar.set_postfix_str(f'building {name}')
         model = build().to(device)
         model.eval()  # (some mmdet backbones' train() returns None)
         _randomise_pola(model, args.seed)
@@ -435,6 +460,8 @@ def main(argv=None):
         impls = args.impls if has_pola else ['-']
         nparams = sum(p.numel() for p in model.parameters())
         for hw in sizes:
+            if bar is not None:
+                bar.set_postfix_str(f'{name} {hw[0]}x{hw[1]}')
             torch.manual_seed(args.seed + 1)
             fn_base = call(model, hw)
             variants = [(impl, (lambda impl=impl, model=model: set_impl(model, impl)
@@ -442,7 +469,9 @@ def main(argv=None):
             try:
                 meas = measure_interleaved(variants, device, args.warmup, args.repeats, ac)
             except (RuntimeError, MemoryError) as e:  # e.g. out of memory
-                print(f'{name} {hw[0]}x{hw[1]}: FAILED {type(e).__name__}: {str(e)[:200]}')
+                emit(bar, f'{name} {hw[0]}x{hw[1]}: FAILED {type(e).__name__}: {str(e)[:200]}')
+                if bar is not None:
+                    bar.update()
                 continue
             first_out = meas[impls[0]][2]
             for impl in impls:
@@ -457,19 +486,23 @@ def main(argv=None):
                 results.append(r)
                 extra = '' if diff is None else (f'  max|diff| vs {impls[0]} = {diff:.3g} '
                                                  f'(max|out| {r["max_abs_output"]:.3g})')
-                print(f'{name:28s} {impl:9s} {hw[0]:5d}x{hw[1]:<5d} {med * 1e3:10.1f} ms '
-                      f'(min {min(times) * 1e3:.1f}) {args.batch / med:9.2f} img/s  '
-                      f'peak {peak / 2**20:9.1f} MB{extra}', flush=True)
+                emit(bar, f'{name:28s} {impl:9s} {hw[0]:5d}x{hw[1]:<5d} {med * 1e3:10.1f} ms '
+                     f'(min {min(times) * 1e3:.1f}) {args.batch / med:9.2f} img/s  '
+                     f'peak {peak / 2**20:9.1f} MB{extra}')
                 del out
             del meas
             del first_out, fn_base
             gc.collect()
+            if bar is not None:
+                bar.update()
         if has_pola:
             set_impl(model, 'fast')
         del model
         gc.collect()
         if device.type == 'cuda':
             torch.cuda.empty_cache()
+    if bar is not None:
+        bar.close()
 
     for spec in args.compare or []:
         only, base_name = (spec.rsplit(':', 1) if ':' in spec and not osp.exists(spec)

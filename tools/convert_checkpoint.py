@@ -32,20 +32,54 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def progress_bar(total):
+    """A tqdm bar over the conversion steps on stderr when stderr is a terminal, else None."""
+    if not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc='convert', unit='step', file=sys.stderr, leave=False,
+                bar_format='{desc}: {n}/{total} steps |{bar}|{postfix} [{elapsed}]')
+
+
+def emit(bar, line):
+    """``print(line)`` to stdout; with a bar, written above it so the bar stays intact."""
+    if bar is None:
+        print(line, flush=True)
+    else:
+        bar.write(line, file=sys.stdout)
+        sys.stdout.flush()
+
+
 def main(argv=None):
     args = parse_args(argv)
+    # steps: build the target model (with --model), then load, convert and write the file
+    bar = progress_bar(2 if args.model else 1)
     target = None
     if args.model:
+        if bar is not None:
+            bar.set_postfix_str(f'building {args.model}')
         model = linattn_mm.get_model(args.model, backbone=dict(init_cfg=None))
         target = getattr(model, 'backbone', model)
-    print(f'converting {args.src}', flush=True)
+        if bar is not None:
+            bar.update()
+    emit(bar, f'converting {args.src}')
+    if bar is not None:
+        bar.set_postfix_str(f'loading and converting {args.src}')
     try:
         report = convert_checkpoint(args.src, args.dst, prefix=args.prefix,
                                     allow_unsafe_pickle=True if args.allow_unsafe_pickle else None,
                                     prefer_ema=not args.no_ema, model=target)
     except CheckpointError as e:
+        if bar is not None:
+            bar.close()
         print(f'error: {e}', file=sys.stderr)
         return 1
+    if bar is not None:
+        bar.update()
+        bar.close()
     print(report.summary())
     print(f'wrote {args.dst}')
     return 0
