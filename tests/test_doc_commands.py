@@ -169,6 +169,9 @@ TABLE = {
     '.venv/bin/python tools/fidelity_report.py':
         Run('fidelity_report', '--only swin-t_in1k --out tmp/fidelity.md (one row instead of all '
             'and not over docs/fidelity.md)'),
+    '.venv/bin/python tools/learning_check.py':
+        Exempt('about 40 minutes on 2 cores (a benchmark); tests/test_learning_check.py runs this tool '
+               'with --iters 2 on two families of both tasks and checks the section it writes'),
     '.venv/bin/python tools/browse_dataset.py '
     'configs/pvtv2/mask-rcnn_pvtv2-b0_fpn_1x_coco_demo.py --output-dir work_dirs/browse '
     '--max-images 4':

@@ -34,6 +34,17 @@ def test_reduced_report_parses(tmp_path):
     assert 'UNEXPLAINED' not in text
 
 
+def test_regenerating_keeps_the_learning_check_section(tmp_path):
+    out = tmp_path / 'fidelity.md'
+    section = ('<!-- learning-check:begin -->\n## Learning check on the demo data\n| a | 0.100 |\n'
+               '<!-- learning-check:end -->')
+    out.write_text('# Fidelity report\nold table\n\n' + section + '\n')
+    assert TOOL['main'](['--out', str(out), '--only', 'deit-t_in1k']) == 0
+    text = out.read_text()
+    assert 'old table' not in text and '`configs/deit/deit-t_in1k.py`' in text
+    assert text.count(section) == 1 and text.index('## Equivalence') < text.index(section)
+
+
 def test_unexplained_rows_fail_the_tool(tmp_path, monkeypatch):
     rows = [r if r[0] != 'pola-pvt-t_in1k' else r[:5] + (None, ) for r in TOOL['ROWS']]
     main = TOOL['main']

@@ -204,6 +204,17 @@ EQUIVALENCE_TESTS = [
 ]
 
 
+def _learning_check_section(path):
+    """The section ``tools/learning_check.py`` wrote into ``path`` (kept across regenerations)."""
+    begin, end = '<!-- learning-check:begin -->', '<!-- learning-check:end -->'
+    if not osp.exists(path):
+        return ''
+    text = open(path).read()
+    if begin not in text or end not in text:
+        return ''
+    return text[text.index(begin):text.index(end) + len(end)]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description='Params / FLOPs of every variant next to its paper')
     p.add_argument('--out', default=osp.join(REPO, 'docs', 'fidelity.md'))
@@ -213,8 +224,10 @@ def main(argv=None):
     command = 'python tools/fidelity_report.py' + (
         ' --only ' + ' '.join(args.only) if args.only else '')
     rows = build_rows(args.only)
+    text = render(rows, command)
+    kept = _learning_check_section(args.out)
     with open(args.out, 'w') as f:
-        f.write(render(rows, command))
+        f.write(text + ('\n' + kept + '\n' if kept else ''))
     if args.json:
         with open(args.json, 'w') as f:
             json.dump(rows, f, indent=1)

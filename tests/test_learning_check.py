@@ -1,0 +1,65 @@
+"""tools/learning_check.py on a reduced budget (2 iterations): every run finishes, the section it
+writes into the fidelity page parses (one row per run, metrics within their ranges, the untrained
+row first), an existing page keeps its other content, and the loss-curve PNG and the JSON are
+written. The real budget is a benchmark (docs/fidelity.md), not a test."""
+import json
+import re
+import runpy
+
+import numpy as np
+from PIL import Image
+
+TOOL = runpy.run_path('tools/learning_check.py', run_name='learning_check')
+
+
+def test_run_specs_pair_each_family_with_its_softmax_skeleton():
+    det = TOOL['runs_of']('det', ['polaformer', 'nalaformer', 'padre'])
+    names = [s[0] for s in det]
+    assert names == ['softmax', 'nalaformer-softmax', 'polaformer', 'nalaformer', 'padre']
+    nala_soft = dict((s[0], s) for s in det)['nalaformer-softmax']
+    assert nala_soft[1].endswith('mask-rcnn_nalaformer-t_fpn_1x_coco_demo.py')
+    assert nala_soft[2] == dict(attn_types='softmax')
+    assert det[0][1] == 'configs/swin/mask-rcnn_swin-t_fpn_1x_coco_demo.py'
+    seg = TOOL['runs_of']('seg', ['setformer'])
+    assert [s[0] for s in seg] == ['setformer-softmax', 'setformer']
+    assert seg[0][2]['attn_cfg']['type'] == 'GlobalSoftmaxAttention'
+    text = TOOL['recipe_text'](det[0][1], 'det', 300, 2e-4)
+    assert "max_iters=300" in text and 'T_max=270' in text and 'out_channels=64' in text
+
+
+def test_reduced_learning_check_writes_a_parsable_section(tmp_path):
+    out = tmp_path / 'fidelity.md'
+    out.write_text('# Fidelity report\n\nkept text\n')
+    plot, js = tmp_path / 'curves.png', tmp_path / 'runs.json'
+    results = TOOL['main'](['--task', 'det', 'seg', '--only', 'polaformer', '--iters', '2',
+                            '--workers', '2', '--work-dir', str(tmp_path / 'work'), '--out',
+                            str(out), '--plot', str(plot), '--json', str(js)])
+    assert len(results) == 6  # per task: untrained, softmax skeleton, PolaFormer
+    text = out.read_text()
+    assert text.startswith('# Fidelity report\n\nkept text\n')
+    assert '## Learning check on the demo data' in text and '--iters 2' in text
+    rows = re.findall(r'^\| ([\w ()-]+?) \| `(configs/[\w/.-]+)` \| ([\d.]+) \| '
+                      r'([\d.]+) \| ([\d.—]+) \| (\d+) \|$', text, re.M)
+    assert len(rows) == 6, text
+    det, seg = rows[:3], rows[3:]
+    assert det[0][0].startswith('softmax (untrained') and seg[0][0].startswith(
+        'softmax (untrained')
+    assert [r[0] for r in det[1:]] == ['softmax', 'polaformer']
+    assert [r[0] for r in seg[1:]] == ['softmax', 'polaformer']
+    for r in det:
+        assert 0.0 <= float(r[2]) <= 1.0 and 0.0 <= float(r[3]) <= 1.0  # COCO mAP
+    for r in seg:
+        assert 0.0 <= float(r[2]) <= 100.0 and 0.0 <= float(r[3]) <= 100.0  # mIoU, aAcc
+    for r in det[1:] + seg[1:]:
+        assert float(r[4]) > 0  # the last logged training loss
+    data = json.loads(js.read_text())
+    trained = [d for d in data if not d['untrained']]
+    assert all(len(d['losses']) >= 1 and d['losses'][-1][0] == 2 for d in trained)
+    img = np.asarray(Image.open(plot))
+    assert img.shape[0] > 100 and img.shape[1] > 200 and img.std() > 1
+    # --reuse takes the finished runs (same recipe) instead of training again
+    again = TOOL['main'](['--task', 'det', '--only', 'polaformer', '--iters', '2', '--reuse',
+                          '--work-dir', str(tmp_path / 'work'), '--out', str(out), '--plot',
+                          str(plot)])
+    assert [r['metrics'] for r in again] == [r['metrics'] for r in results[:3]]
+    assert [r['seconds'] for r in again] == [r['seconds'] for r in results[:3]]
