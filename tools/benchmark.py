@@ -42,7 +42,6 @@ import math
 import os
 import os.path as osp
 import statistics
-import sys
 import time
 import types
 
@@ -53,6 +52,7 @@ import linattn_mm  # noqa: F401
 from linattn_mm.flops import dummy_inputs
 from linattn_mm.models.attentions.pola import PolaLinearAttention
 from linattn_mm.utils import PeakMemoryCounter
+from linattn_mm.utils.progress import emit, progress_bar
 
 POLA_PVT = dict(type='PolaLinearAttention', qkv_layout='qg_kv', alpha=4, kernel_size=5,
                 la_sr_ratio=1)
@@ -365,27 +365,6 @@ def _randomise_pola(model, seed):
                     torch.randn(m.positional_encoding.shape, generator=g) * 0.3)
 
 
-def progress_bar(total, desc):
-    """A tqdm bar on stderr when stderr is a terminal, else None (stdout is never touched)."""
-    if not sys.stderr.isatty():
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc=desc, unit='run', file=sys.stderr, leave=False,
-                dynamic_ncols=True)
-
-
-def emit(bar, line):
-    """``print(line)`` to stdout; with a bar, written above it so the bar stays intact."""
-    if bar is None:
-        print(line, flush=True)
-    else:
-        bar.write(line, file=sys.stdout)
-        sys.stdout.flush()
-
-
 def main(argv=None):
     args = parse_args(argv)
     if args.list:
@@ -449,7 +428,7 @@ def main(argv=None):
                 jobs.append((t, build_m, call_m))
 
     results = []
-    bar = progress_bar(len(jobs) * len(sizes), 'benchmark')
+    bar = progress_bar(len(jobs) * len(sizes), 'benchmark', unit='run', dynamic_ncols=True)
     for name, build, call in jobs:
         if bar is not None:
             bar.set_postfix_str(f'building {name}')

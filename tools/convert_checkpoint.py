@@ -15,6 +15,7 @@ import sys
 
 import linattn_mm
 from linattn_mm.checkpoint import CheckpointError, convert_checkpoint
+from linattn_mm.utils.progress import emit, progress_bar
 
 
 def parse_args(argv=None):
@@ -32,31 +33,11 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def progress_bar(total):
-    """A tqdm bar over the conversion steps on stderr when stderr is a terminal, else None."""
-    if not sys.stderr.isatty():
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc='convert', unit='step', file=sys.stderr, leave=False,
-                bar_format='{desc}: {n}/{total} steps |{bar}|{postfix} [{elapsed}]')
-
-
-def emit(bar, line):
-    """``print(line)`` to stdout; with a bar, written above it so the bar stays intact."""
-    if bar is None:
-        print(line, flush=True)
-    else:
-        bar.write(line, file=sys.stdout)
-        sys.stdout.flush()
-
-
 def main(argv=None):
     args = parse_args(argv)
     # steps: build the target model (with --model), then load, convert and write the file
-    bar = progress_bar(2 if args.model else 1)
+    bar = progress_bar(2 if args.model else 1, 'convert', unit='step',
+                       bar_format='{desc}: {n}/{total} steps |{bar}|{postfix} [{elapsed}]')
     target = None
     if args.model:
         if bar is not None:

@@ -251,16 +251,22 @@ class NormAwareLinearAttention(_NaLaBlockMixin):
             phi_k = torch.cat([mk * torch.cos(ak), mk * torch.sin(ak)], -1)
         return phi_q, phi_k
 
+    def _numerator_features(self, q, k, hw_shape, rope):
+        """RoPE-rotated feature maps ``(R phi_q, R phi_k)`` and the normaliser
+        ``z = 1 / (phi_q . mean_j phi_k + eps)`` (B, h, N, 1) of the unrotated maps."""
+        phi_q, phi_k = self.feature_maps(q, k)
+        z = 1.0 / (phi_q @ phi_k.mean(dim=-2, keepdim=True).transpose(-2, -1) + self.eps)
+        sin, cos = self._rope(hw_shape, rope, q.dtype, q.device)
+        if sin is not None:
+            phi_q, phi_k = apply_rope(phi_q, sin, cos), apply_rope(phi_k, sin, cos)
+        return phi_q, phi_k, z
+
     def forward(self, x, hw_shape, rope=None):
         self.check_input(x, hw_shape)
         q, k, v, g, lepe = self._project(x, hw_shape)
         with _no_autocast(x.device):
             N = q.shape[-2]
-            phi_q, phi_k = self.feature_maps(q, k)
-            z = 1.0 / (phi_q @ phi_k.mean(dim=-2, keepdim=True).transpose(-2, -1) + self.eps)
-            sin, cos = self._rope(hw_shape, rope, q.dtype, q.device)
-            if sin is not None:
-                phi_q, phi_k = apply_rope(phi_q, sin, cos), apply_rope(phi_k, sin, cos)
+            phi_q, phi_k, z = self._numerator_features(q, k, hw_shape, rope)
             kv = (phi_k.transpose(-2, -1) * N ** -0.5) @ (v * N ** -0.5)  # (B, h, 2d, d)
             y = self._gate((phi_q @ kv) * z, lepe, g)
         return self._output(y)
@@ -274,13 +280,8 @@ class NormAwareLinearAttention(_NaLaBlockMixin):
         self.check_input(x, hw_shape)
         q, k, _, _, _ = self._project(x, hw_shape)
         with _no_autocast(x.device):
-            N = q.shape[-2]
-            phi_q, phi_k = self.feature_maps(q, k)
-            z = 1.0 / (phi_q @ phi_k.mean(dim=-2, keepdim=True).transpose(-2, -1) + self.eps)
-            sin, cos = self._rope(hw_shape, rope, q.dtype, q.device)
-            if sin is not None:
-                phi_q, phi_k = apply_rope(phi_q, sin, cos), apply_rope(phi_k, sin, cos)
-            weights = (phi_q @ phi_k.transpose(-2, -1)) / N * z
+            phi_q, phi_k, z = self._numerator_features(q, k, hw_shape, rope)
+            weights = (phi_q @ phi_k.transpose(-2, -1)) / q.shape[-2] * z
         return dict(weights=weights, key_hw=tuple(hw_shape))
 
     def extra_repr(self):
