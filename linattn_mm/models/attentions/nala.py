@@ -319,15 +319,20 @@ class NaLaSoftmaxAttention(_NaLaBlockMixin):
         self.attn_drop = attn_drop
         self._build_common(embed_dims, qkv_bias, lepe_kernel_size, proj_drop, use_rope, rope_base)
 
+    def _rotate(self, q, k, hw_shape, rope):
+        """q and k rotated by the 2-D RoPE (unchanged without it)."""
+        sin, cos = self._rope(hw_shape, rope, q.dtype, q.device)
+        if sin is None:
+            return q, k
+        return apply_rope(q, sin, cos), apply_rope(k, sin, cos)
+
     has_attention_weights = True
 
     def attention_weights(self, x, hw_shape, rope=None):
         self.check_input(x, hw_shape)
         q, k, _, _, _ = self._project(x, hw_shape)
         with _no_autocast(x.device):
-            sin, cos = self._rope(hw_shape, rope, q.dtype, q.device)
-            if sin is not None:
-                q, k = apply_rope(q, sin, cos), apply_rope(k, sin, cos)
+            q, k = self._rotate(q, k, hw_shape, rope)
             weights = (q @ k.transpose(-2, -1) * self.scale).softmax(-1)
         return dict(weights=weights, key_hw=tuple(hw_shape))
 
@@ -335,9 +340,7 @@ class NaLaSoftmaxAttention(_NaLaBlockMixin):
         self.check_input(x, hw_shape)
         q, k, v, g, lepe = self._project(x, hw_shape)
         with _no_autocast(x.device):
-            sin, cos = self._rope(hw_shape, rope, q.dtype, q.device)
-            if sin is not None:
-                q, k = apply_rope(q, sin, cos), apply_rope(k, sin, cos)
+            q, k = self._rotate(q, k, hw_shape, rope)
             out = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=self.attn_drop if self.training else 0., scale=self.scale)
             y = self._gate(out, lepe, g)
