@@ -5,20 +5,19 @@ for a fixed budget, next to the softmax skeleton trained with the same budget.
         [--workers 2] [--work-dir work_dirs/learning_check] [--out docs/fidelity.md]
         [--json FILE] [--plot FILE]
 
-Each run is ``tools/train.py`` on a family's ``_demo`` config with one shared recipe (below: tiny
-heads, AdamW, warm-up then cosine decay, ``--iters`` iterations, seed 0, randomly initialised
-backbone), followed by the evaluation on the demo validation split. The recipe is the same for
+Each run trains a family's ``_demo`` config made tiny, with one shared recipe (below: a tiny
+backbone of the same skeleton and attention, narrow heads, AdamW, warm-up then cosine decay,
+``--iters`` iterations, seed 0, random initialisation), followed by the evaluation on the demo validation split. The recipe is the same for
 every backbone, so the table compares the token mixers, not the schedules. The untrained row is the
 softmax model evaluated before its first step. Writes the results between the ``learning-check``
 markers of ``--out`` (``docs/fidelity.md``), a loss-curve PNG and a JSON file. This is a
 benchmark (minutes per run on a CPU); the tests run it with a few iterations.
 """
 import argparse
+import copy
 import json
-import math
 import os
 import os.path as osp
-import re
 import subprocess
 import sys
 import time
@@ -76,6 +75,23 @@ DET_MODEL = dict(
         mask_roi_extractor=dict(out_channels=64),
         mask_head=dict(in_channels=64, conv_out_channels=64, num_convs=2)))
 SEG_MODEL = dict(decode_head=dict(channels=64), auxiliary_head=dict(channels=32))
+# The tiny backbones: each skeleton with one block per stage (two in stage 3) and stage widths
+# 32/64/128/256 (1.3-1.8M parameters), the attention of the family unchanged.
+TINY_ARCH = {
+    'swin': dict(embed_dims=32, depths=[1, 1, 2, 1], num_heads=[1, 2, 4, 8]),
+    'nalaformer': dict(embed_dims=[32, 64, 128, 256], depths=[1, 1, 2, 1], num_heads=[1, 2, 4, 8],
+                       mlp_ratios=[4, 4, 4, 4], layer_scale_init_values=[1, 1, 1, 1],
+                       drop_path_rate=0.1),
+    'setformer': dict(embed_dims=32, depths=[1, 1, 2, 1], num_heads=[1, 2, 4, 8], mlp_ratio=3.,
+                      drop_path_rate=0.2, layer_scale_init_value=None),
+}
+TINY_CHANNELS = [32, 64, 128, 256]
+
+
+def skeleton_of(config):
+    """Which tiny arch a demo config's backbone takes."""
+    name = osp.basename(config)
+    return next((k for k in ('nalaformer', 'setformer') if k in name), 'swin')
 DEFAULT_LR = dict(det=1e-3, seg=1e-3)
 
 
@@ -83,9 +99,14 @@ def recipe_text(config, task, iters, lr, backbone=None):
     """Text of a config that inherits ``config`` and applies the shared recipe (``backbone``:
     overrides merged into ``model.backbone``)."""
     warm = max(1, min(50, iters // 10))
-    model = dict(DET_MODEL if task == 'det' else SEG_MODEL)
-    if backbone:
-        model['backbone'] = backbone
+    model = copy.deepcopy(DET_MODEL if task == 'det' else SEG_MODEL)
+    model['backbone'] = dict(arch=dict(_delete_=True, **TINY_ARCH[skeleton_of(config)]),
+                             **(backbone or {}))
+    if task == 'det':
+        model['neck']['in_channels'] = TINY_CHANNELS
+    else:
+        model['decode_head']['in_channels'] = TINY_CHANNELS
+        model['auxiliary_head']['in_channels'] = TINY_CHANNELS[2]
     lines = [
         f'_base_ = [{osp.join(REPO, config)!r}]',
         'randomness = dict(seed=0)',
@@ -200,17 +221,19 @@ def _spawn(spec, task, args, untrained=False):
     tag = f'{task}_{name}' + ('_untrained' if untrained else '')
     work = osp.join(args.work_dir, tag)
     os.makedirs(work, exist_ok=True)
-    cfg_path = osp.join(work, 'config.py')
+    cfg_path = osp.join(work, 'config.py')  # mmengine later overwrites it with its full dump
+    stamp = osp.join(work, 'recipe.txt')
     text = recipe_text(config, task, args.iters, args.lr or DEFAULT_LR[task], backbone)
     out = osp.join(work, 'result.json')
-    if args.reuse and osp.exists(out) and osp.exists(cfg_path) and open(cfg_path).read() == text:
+    if args.reuse and osp.exists(out) and osp.exists(stamp) and open(stamp).read() == text:
         with open(out) as f:
             res = json.load(f)
         res.update(name=name, config=config, task=task, untrained=untrained)
         print(f'  {tag}: {_headline(task, res["metrics"])} (reused)', flush=True)
         return res
-    with open(cfg_path, 'w') as f:
-        f.write(text)
+    for path in (cfg_path, stamp):
+        with open(path, 'w') as f:
+            f.write(text)
     if osp.exists(out):
         os.remove(out)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED='1')
@@ -229,6 +252,9 @@ def _spawn(spec, task, args, untrained=False):
 
 
 METRIC = dict(det=('coco/bbox_mAP', 'coco/segm_mAP'), seg=('mIoU', 'aAcc'))
+# columns of the report: the headline metrics and the more sensitive ones next to them
+COLUMNS = dict(det=('coco/bbox_mAP', 'coco/bbox_mAP_50', 'coco/segm_mAP', 'coco/segm_mAP_50'),
+               seg=('mIoU', 'mAcc', 'aAcc'))
 
 
 def _headline(task, metrics):
@@ -244,7 +270,9 @@ def render(results, args, command):
              f'Generated by `{command}` (do not edit by hand).', '',
              f'Every run: the `_demo` config with the shared recipe of `tools/learning_check.py` '
              f'({args.iters} iterations, batch 4, AdamW lr {args.lr or DEFAULT_LR["det"]:g} with '
-             f'warm-up and cosine decay, narrow heads, seed 0, randomly initialised backbone), '
+             f'warm-up and cosine decay; the skeleton and attention of the config with one block '
+             f'per stage (two in stage 3) and widths 32/64/128/256; narrow heads; seed 0, random '
+             f'initialisation), '
              f'then the demo validation split. "untrained" is the softmax model evaluated before '
              f'its first step. Each linear family sits next to the softmax skeleton it replaces '
              f'the attention of. Loss curves: `{osp.relpath(args.plot, osp.dirname(args.out))}`.',
@@ -253,18 +281,19 @@ def render(results, args, command):
         rows = [r for r in results if r['task'] == task]
         if not rows:
             continue
-        m1, m2 = METRIC[task]
+        cols = COLUMNS[task]
         title = 'Mask R-CNN (COCO-format demo data)' if task == 'det' else \
             'UperNet (ADE20K-format demo data)'
-        lines += [f'### {title}', '', f'| Run | Config | {m1} | {m2} | final loss | time (s) |',
-                  '|---|---|---|---|---|---|']
+        lines += [f'### {title}', '',
+                  '| Run | Config | ' + ' | '.join(cols) + ' | final loss | time (s) |',
+                  '|---|---|' + '---|' * len(cols) + '---|---|']
         for r in rows:
             loss = f"{r['losses'][-1][1]:.3f}" if r['losses'] else '—'
             name = r['name'] + (' (untrained)' if r['untrained'] else '') + (
                 f" ({r['note']})" if r.get('note') else '')
-            lines.append(f"| {name} | `{r['config']}` | {r['metrics'].get(m1, float('nan')):.3f} | "
-                         f"{r['metrics'].get(m2, float('nan')):.3f} | {loss} | "
-                         f"{r['seconds']:.0f} |")
+            vals = ' | '.join(f"{r['metrics'].get(c, 0.0 if r.get('note') else float('nan')):.3f}"
+                              for c in cols)
+            lines.append(f"| {name} | `{r['config']}` | {vals} | {loss} | {r['seconds']:.0f} |")
         lines.append('')
     lines.append(END)
     return '\n'.join(lines)
@@ -305,7 +334,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--task', nargs='+', choices=['det', 'seg'], default=['det', 'seg'])
     p.add_argument('--only', nargs='+', help='families (default: all)')
-    p.add_argument('--iters', type=int, default=200, help='training iterations per run')
+    p.add_argument('--iters', type=int, default=300, help='training iterations per run')
     p.add_argument('--lr', type=float, help='AdamW learning rate (default: per task)')
     p.add_argument('--workers', type=int, default=2, help='runs in parallel')
     p.add_argument('--threads', type=int, default=1, help='torch threads per run')
