@@ -44,7 +44,8 @@ def test_reduced_learning_check_writes_a_parsable_section(tmp_path):
     det, seg = rows[:3], rows[3:]
     assert det[0][0].startswith('softmax (untrained') and seg[0][0].startswith(
         'softmax (untrained')
-    assert [r[0] for r in det[1:]] == ['softmax', 'polaformer']
+    # after 2 iterations a detector may still find nothing: the row then says so
+    assert [r[0].replace(' (no detections)', '') for r in det[1:]] == ['softmax', 'polaformer']
     assert [r[0] for r in seg[1:]] == ['softmax', 'polaformer']
     assert '| coco/bbox_mAP | coco/bbox_mAP_50 | coco/segm_mAP | coco/segm_mAP_50 |' in text
     assert '| mIoU | mAcc | aAcc |' in text
