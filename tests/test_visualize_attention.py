@@ -87,7 +87,7 @@ def test_softmax_window_map_is_the_query_window():
     img = vis.generated_image(SIZE)
     _, tensor = vis.load_image(None, SIZE)
     torch.manual_seed(0)
-    layers = vis.analyse_model('swin-t_in1k', None, tensor, SIZE, (0.5, 0.5), 1)
+    layers = vis.analyse_model('swin-t_in1k', None, tensor, (0.5, 0.5), 1)
     first = layers[0]  # stage 1, block 0: W-MSA, 7x7 windows on the 16x16 grid (padded to 21)
     assert first['grid'] == [16, 16] and first['kind'] == 'weights'
     support = (first['map'].reshape(16, 16) > 0).numpy()

@@ -153,11 +153,6 @@ def runs_of(task, families):
     return specs
 
 
-def softmax_of(task, family):
-    table = DET if task == 'det' else SEG
-    return table[family][1] or family
-
-
 # --- one run (a subprocess: one thread, its own process) ---------------------------------------
 def run_one(config_file, work_dir, untrained):
     """Train (or, ``untrained``, only evaluate the initialised model) and return the metrics and

@@ -103,32 +103,29 @@ def _colormap(values):
     return (matplotlib.colormaps['inferno'](values)[..., :3] * 255).astype(np.uint8)
 
 
+def _titled_panel(picture, point, panel, title):
+    """``picture`` (panel x panel) with the query marked, under a title band: a
+    (panel + LABEL_H, panel) RGB image."""
+    draw = ImageDraw.Draw(picture)
+    cy, cx = point[0] * (panel - 1), point[1] * (panel - 1)
+    draw.rectangle([cx - 3, cy - 3, cx + 3, cy + 3], outline=(0, 255, 255), width=2)
+    canvas = Image.new('RGB', (panel, panel + LABEL_H), (255, 255, 255))
+    canvas.paste(picture, (0, LABEL_H))
+    ImageDraw.Draw(canvas).text((2, 1), title[:max(4, panel // 6)], fill=(0, 0, 0))
+    return canvas
+
+
 def render_panel(img, weights, key_hw, point, panel, title):
-    """The weights of one query (n,) on the ``key_hw`` grid over ``img``, with the query marked,
-    under a title band: a (panel + LABEL_H, panel) RGB image."""
+    """The weights of one query (n,) on the ``key_hw`` grid drawn over ``img``."""
     w = weights.abs().float().reshape(key_hw).numpy()
     w = w / w.max() if w.max() > 0 else w
     heat = Image.fromarray(_colormap(w)).resize((panel, panel), Image.NEAREST)
     base = img.resize((panel, panel), Image.BILINEAR)
-    out = Image.blend(base, heat, 0.7)
-    draw = ImageDraw.Draw(out)
-    cy, cx = point[0] * (panel - 1), point[1] * (panel - 1)
-    draw.rectangle([cx - 3, cy - 3, cx + 3, cy + 3], outline=(0, 255, 255), width=2)
-    canvas = Image.new('RGB', (panel, panel + LABEL_H), (255, 255, 255))
-    canvas.paste(out, (0, LABEL_H))
-    ImageDraw.Draw(canvas).text((2, 1), title[:max(4, panel // 6)], fill=(0, 0, 0))
-    return canvas
+    return _titled_panel(Image.blend(base, heat, 0.7), point, panel, title)
 
 
 def image_panel(img, point, panel, title):
-    canvas = Image.new('RGB', (panel, panel + LABEL_H), (255, 255, 255))
-    base = img.resize((panel, panel), Image.BILINEAR)
-    draw = ImageDraw.Draw(base)
-    cy, cx = point[0] * (panel - 1), point[1] * (panel - 1)
-    draw.rectangle([cx - 3, cy - 3, cx + 3, cy + 3], outline=(0, 255, 255), width=2)
-    canvas.paste(base, (0, LABEL_H))
-    ImageDraw.Draw(canvas).text((2, 1), title[:max(4, panel // 6)], fill=(0, 0, 0))
-    return canvas
+    return _titled_panel(img.resize((panel, panel), Image.BILINEAR), point, panel, title)
 
 
 def grid_image(panels, cols, panel):
@@ -145,17 +142,17 @@ def _entropy_queries(mixer, hw, count):
     return [mixer.num_extra_tokens + i for i in idx]
 
 
-def analyse_model(name, checkpoint, image, size, point, entropy_queries, seed=0):
+def analyse_model(name, checkpoint, image, point, entropy_queries, seed=0):
     """Per-layer query maps and entropies of one model: a list of dicts (layer, kind, grid,
     key_grid, map (n_grid,), entropy, normalized_entropy, entropy_queries)."""
     from linattn_mm.apis import get_model
     torch.manual_seed(seed)
     model = get_model(name, pretrained=None if checkpoint in (None, 'none') else checkpoint)
     backbone = getattr(model, 'backbone', model)
-    if not find_mixers(backbone):
+    mixers = dict(find_mixers(backbone))
+    if not mixers:
         raise ValueError(f'{name}: the backbone has no token mixer (BaseTokenMixer) to visualise')
     records = capture_mixer_inputs(backbone, image)
-    mixers = dict(find_mixers(backbone))
     layers = []
     for lname, (x, hw, kw) in records.items():
         mixer = mixers[lname]
@@ -203,8 +200,7 @@ def main(argv=None):
     results, rows = {}, []
     n_cols = None
     for name, ckpt in zip(args.models, ckpts):
-        layers = analyse_model(name, ckpt, tensor, args.size, args.query, args.entropy_queries,
-                               args.seed)
+        layers = analyse_model(name, ckpt, tensor, args.query, args.entropy_queries, args.seed)
         tag = osp.splitext(osp.basename(name))[0]
         panels = [image_panel(img, args.query, args.panel, tag)]
         for lay in layers:
