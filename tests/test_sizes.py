@@ -40,6 +40,14 @@ FAMILIES = {
         type='SeTAttention', num_refs=16, num_iters=5)),
     'r50-polynl': lambda: PolyNLResNet(),
 }
+# any mixer in any skeleton: the linear families in the NAT-style (SeTformer) hierarchy, as the
+# learning check trains them
+NAT = dict(embed_dims=16, depths=[1, 1, 1, 1], num_heads=[1, 2, 2, 4], mlp_ratio=2)
+for _name, _attn in (('pola', dict(type='PolaLinearAttention', qkv_layout='qkvg')),
+                     ('nala', dict(type='NormAwareLinearAttention')),
+                     ('padre', dict(type='PADReMixer')),
+                     ('poly', dict(type='PolySelfAttention'))):
+    FAMILIES[f'{_name}-nat'] = lambda _attn=_attn: SeTformer(arch=NAT, attn_cfg=_attn)
 PLAIN = {'deit-softmax', 'poly-deit'}
 
 
@@ -75,3 +83,13 @@ def test_too_small_input_names_the_minimum():
     m = LinAttnPVT(arch='t')
     with pytest.raises(ValueError, match=r'smaller than the minimum 29x29'):
         m(torch.randn(1, 3, 24, 24))
+
+
+def test_nat_skeleton_gives_mixers_the_pretraining_grid():
+    """Size-dependent mixer parameters (PolaFormer's positional encoding) are made for the stage
+    grid at ``pretrain_img_size`` (stride 4, then 2 per stage) and resized to the input."""
+    m = SeTformer(arch=NAT, pretrain_img_size=256,
+                  attn_cfg=dict(type='PolaLinearAttention', qkv_layout='qkvg'))
+    grids = [stage.blocks[0].attn.pos_enc_hw for stage in m.layers]
+    assert grids == [(64, 64), (32, 32), (16, 16), (8, 8)]
+    assert m.layers[0].blocks[0].attn.positional_encoding.shape == (1, 64 * 64, 16)

@@ -1,14 +1,16 @@
 """Learning check: every attention family's demo Mask R-CNN and UperNet trained on the demo data
 for a fixed budget, next to the softmax skeleton trained with the same budget.
 
-    python tools/learning_check.py [--task det seg] [--only FAMILY ...] [--iters N]
-        [--workers 2] [--work-dir work_dirs/learning_check] [--out docs/fidelity.md]
+    python tools/learning_check.py [--task det seg] [--only FAMILY ...] [--skeleton nat|own]
+        [--iters N] [--workers 2] [--work-dir work_dirs/learning_check] [--out docs/fidelity.md]
         [--json FILE] [--plot FILE]
 
-Each run trains a family's ``_demo`` config made tiny, with one shared recipe (below: a tiny
-backbone of the same skeleton and attention, narrow heads, AdamW, warm-up then cosine decay,
-``--iters`` iterations, seed 0, random initialisation), followed by the evaluation on the demo validation split. The recipe is the same for
-every backbone, so the table compares the token mixers, not the schedules. The untrained row is the
+Each run trains a tiny Mask R-CNN / UperNet with one shared recipe (below: a tiny backbone, narrow
+heads, AdamW, warm-up then cosine decay, ``--iters`` iterations, seed 0, random initialisation),
+followed by the evaluation on the demo validation split. By default (``--skeleton nat``) every
+family's token mixer goes into the same NAT-style skeleton (SeTformer's conv-stem hierarchy) next to
+global softmax attention in it; ``--skeleton own`` trains each family's own demo config instead.
+The recipe is the same for every run, so the table compares the token mixers, not the schedules. The untrained row is the
 softmax model evaluated before its first step. Writes the results between the ``learning-check``
 markers of ``--out`` (``docs/fidelity.md``), a loss-curve PNG and a JSON file. This is a
 benchmark (minutes per run on a CPU); the tests run it with a few iterations.
@@ -25,12 +27,30 @@ from concurrent.futures import ThreadPoolExecutor
 
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 
-# family -> (linear-attention demo config, the softmax run it is compared with). The skeletons are
-# those with a normalised output per stage (Swin, and the native NaLaFormer / SeTformer
-# hierarchies): PVT v1 returns its stage maps without a norm (as the official detection code), and
-# trained from scratch with the norm-free FPN on top its last-stage activations grow without
-# bound within ~100 steps (with ImageNet weights, as the PVT configs are meant to be used, they
-# do not).
+# The default check (``--skeleton nat``) puts every family's token mixer into one skeleton: the
+# NAT-style hierarchy of SeTformer (conv stem, conv downsamplers, a LayerNorm on every output), next
+# to the same skeleton with global softmax attention. Any mixer fits any skeleton, so the table
+# compares the mixers alone. Mixer settings are those of the family's Swin / native configs.
+NAT = dict(det='configs/setformer/mask-rcnn_setformer-t_fpn_1x_coco_demo.py',
+           seg='configs/setformer/upernet_setformer-t_8xb2-160k_ade20k-512x512_demo.py')
+SKELETONS = ('nat', 'own')
+MIXERS = {
+    'softmax': dict(type='GlobalSoftmaxAttention'),
+    'polaformer': dict(type='PolaLinearAttention', qkv_layout='qkvg', alpha=4, kernel_size=5),
+    'nalaformer': dict(type='NormAwareLinearAttention'),
+    'padre': dict(type='PADReMixer', degree=2, kernel_size=11),
+    'poly': dict(type='PolySelfAttention'),
+    # the COCO / ADE20K settings of the SeTformer configs with the demo's 64 references
+    'setformer': dict(type='SeTAttention', num_refs=64, eps=0.3, tau=0.8),
+}
+
+# ``--skeleton own``: each family in the skeleton of its own demo config. family -> (demo config,
+# the softmax run it is compared with). The skeletons are those with a normalised output per stage
+# (Swin, and the native NaLaFormer / SeTformer hierarchies): PVT v1 returns its stage maps without
+# a norm (as the official detection code), and trained from scratch with the norm-free FPN on top
+# its last-stage activations grow without bound within ~100 steps (with ImageNet weights, as the
+# PVT configs are meant to be used, they do not). The patchify stems of Swin and NaLaFormer learn
+# far more slowly from scratch than the conv stem, which is why ``nat`` is the default.
 DET = {
     'softmax': ('configs/swin/mask-rcnn_swin-t_fpn_1x_coco_demo.py', None),
     'polaformer': ('configs/polaformer/mask-rcnn_pola-swin-t_fpn_1x_coco_demo.py', 'softmax'),
@@ -130,13 +150,21 @@ def _kw(d):
                      for k, v in d.items())
 
 
-def runs_of(task, families):
+def runs_of(task, families, skeleton='nat'):
     """Run specs ``(name, config, backbone overrides)`` for ``families`` and their softmax
-    counterparts (each counterpart once), softmax runs first."""
+    counterparts (each counterpart once), softmax runs first. ``skeleton='nat'``: every family's
+    mixer in the NAT skeleton next to its global-softmax form; ``'own'``: each family's own demo
+    config next to the softmax form of that skeleton."""
     table = DET if task == 'det' else SEG
     unknown = [f for f in families if f not in table]
     if unknown:
         raise SystemExit(f'unknown families {unknown}; choose from {sorted(table)}')
+    if skeleton not in SKELETONS:
+        raise SystemExit(f'unknown skeleton {skeleton!r}; choose from {SKELETONS}')
+    if skeleton == 'nat':
+        names = ['softmax'] + [f for f in families if f != 'softmax']
+        return [(name, NAT[task], dict(attn_cfg=dict(_delete_=True, **MIXERS[name])))
+                for name in names]
     specs, seen = [], set()
     for fam in families:
         ref = table[fam][1]
@@ -213,7 +241,7 @@ def _last_val_metrics(log_dir):
 
 def _spawn(spec, task, args, untrained=False):
     name, config, backbone = spec
-    tag = f'{task}_{name}' + ('_untrained' if untrained else '')
+    tag = f'{args.skeleton}_{task}_{name}' + ('_untrained' if untrained else '')
     work = osp.join(args.work_dir, tag)
     os.makedirs(work, exist_ok=True)
     cfg_path = osp.join(work, 'config.py')  # mmengine later overwrites it with its full dump
@@ -223,7 +251,7 @@ def _spawn(spec, task, args, untrained=False):
     if args.reuse and osp.exists(out) and osp.exists(stamp) and open(stamp).read() == text:
         with open(out) as f:
             res = json.load(f)
-        res.update(name=name, config=config, task=task, untrained=untrained)
+        res.update(name=name, config=config, task=task, untrained=untrained, backbone=backbone)
         print(f'  {tag}: {_headline(task, res["metrics"])} (reused)', flush=True)
         return res
     for path in (cfg_path, stamp):
@@ -241,7 +269,7 @@ def _spawn(spec, task, args, untrained=False):
         raise RuntimeError(f'{tag} failed (exit {rc}); see {osp.join(work, "run.log")}')
     with open(out) as f:
         res = json.load(f)
-    res.update(name=name, config=config, task=task, untrained=untrained)
+    res.update(name=name, config=config, task=task, untrained=untrained, backbone=backbone)
     print(f'  {tag}: {_headline(task, res["metrics"])} in {res["seconds"]:.0f} s', flush=True)
     return res
 
@@ -261,16 +289,23 @@ BEGIN, END = '<!-- learning-check:begin -->', '<!-- learning-check:end -->'
 
 
 def render(results, args, command):
+    if args.skeleton == 'nat':
+        setting = ('every family\'s token mixer in one skeleton, the NAT-style hierarchy of '
+                   'SeTformer (conv stem, conv downsamplers, a LayerNorm on every output) with one '
+                   'block per stage (two in stage 3) and widths 32/64/128/256, the mixer in every '
+                   'block; "softmax" is the same skeleton with global softmax attention')
+    else:
+        setting = ('each family\'s own demo config (its skeleton and attention) with one block per '
+                   'stage (two in stage 3) and widths 32/64/128/256; each linear family sits next '
+                   'to the softmax skeleton it replaces the attention of')
     lines = [BEGIN, '## Learning check on the demo data', '',
              f'Generated by `{command}` (do not edit by hand).', '',
              f'Every run: the `_demo` config with the shared recipe of `tools/learning_check.py` '
              f'({args.iters} iterations, batch 4, AdamW lr {args.lr or DEFAULT_LR["det"]:g} with '
-             f'warm-up and cosine decay; the skeleton and attention of the config with one block '
-             f'per stage (two in stage 3) and widths 32/64/128/256; narrow heads; seed 0, random '
-             f'initialisation), '
-             f'then the demo validation split. "untrained" is the softmax model evaluated before '
-             f'its first step. Each linear family sits next to the softmax skeleton it replaces '
-             f'the attention of. Loss curves: `{osp.relpath(args.plot, osp.dirname(args.out))}`.',
+             f'warm-up and cosine decay; narrow heads; seed 0, random initialisation) and '
+             f'{setting}; then the demo validation split. "untrained" is the softmax model '
+             f'evaluated before its first step. Loss curves: '
+             f'`{osp.relpath(args.plot, osp.dirname(args.out))}`.',
              '']
     for task in ('det', 'seg'):
         rows = [r for r in results if r['task'] == task]
@@ -280,7 +315,7 @@ def render(results, args, command):
         title = 'Mask R-CNN (COCO-format demo data)' if task == 'det' else \
             'UperNet (ADE20K-format demo data)'
         lines += [f'### {title}', '',
-                  '| Run | Config | ' + ' | '.join(cols) + ' | final loss | time (s) |',
+                  '| Run | Config (backbone mixer) | ' + ' | '.join(cols) + ' | final loss | time (s) |',
                   '|---|---|' + '---|' * len(cols) + '---|---|']
         for r in rows:
             loss = f"{r['losses'][-1][1]:.3f}" if r['losses'] else '—'
@@ -288,10 +323,17 @@ def render(results, args, command):
                 f" ({r['note']})" if r.get('note') else '')
             vals = ' | '.join(f"{r['metrics'].get(c, 0.0 if r.get('note') else float('nan')):.3f}"
                               for c in cols)
-            lines.append(f"| {name} | `{r['config']}` | {vals} | {loss} | {r['seconds']:.0f} |")
+            lines.append(f"| {name} | {_mixer_cell(r)} | {vals} | {loss} | {r['seconds']:.0f} |")
         lines.append('')
     lines.append(END)
     return '\n'.join(lines)
+
+
+def _mixer_cell(r):
+    """The config, and the mixer the run put into its backbone if it swapped one in."""
+    attn = (r.get('backbone') or {}).get('attn_cfg')
+    mixer = f" ({attn['type']})" if attn else ''
+    return f"`{r['config']}`{mixer}"
 
 
 def write_section(path, section):
@@ -329,6 +371,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--task', nargs='+', choices=['det', 'seg'], default=['det', 'seg'])
     p.add_argument('--only', nargs='+', help='families (default: all)')
+    p.add_argument('--skeleton', choices=SKELETONS, default='nat',
+                   help="'nat': every mixer in the NAT-style skeleton (conv stem) next to global "
+                   "softmax in it (default); 'own': each family's own demo config")
     p.add_argument('--iters', type=int, default=300, help='training iterations per run')
     p.add_argument('--lr', type=float, help='AdamW learning rate (default: per task)')
     p.add_argument('--workers', type=int, default=2, help='runs in parallel')
@@ -359,7 +404,7 @@ def main(argv=None):
     jobs = []
     for task in args.task:
         families = args.only or [f for f in (DET if task == 'det' else SEG) if f != 'softmax']
-        specs = runs_of(task, families)
+        specs = runs_of(task, families, args.skeleton)
         jobs.append((specs[0], task, True))  # the untrained softmax model
         jobs += [(spec, task, False) for spec in specs]
     print(f'{len(jobs)} runs, {args.workers} at a time, {args.iters} iterations each', flush=True)

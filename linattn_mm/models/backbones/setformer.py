@@ -134,6 +134,9 @@ class SeTformer(LinAttnBackbone):
             b     128  4, 8, 16, 32    2    0.5        1e-5
             ====  ===  ==============  ===  =========  ===========
         in_channels (int): input channels. Default 3.
+        pretrain_img_size (int): classification resolution; mixers with size-dependent
+            parameters (e.g. PolaFormer's positional encoding) get the stage grid at this size
+            (``pretrain_img_size // 4 // 2**i``) and resize it to the input. Default 224.
         attn_cfg (dict | list[dict], optional): token mixer of every stage or one per stage.
             Default ``dict(type='SeTAttention', num_refs=500, eps=0.1, tau=0.5)`` (paper,
             ImageNet; COCO: 750 / 0.3 / 0.8, ADE20K: 800 / 0.3 / 0.8).
@@ -160,7 +163,8 @@ class SeTformer(LinAttnBackbone):
     }
     default_attn_cfg = dict(type='SeTAttention', num_refs=500, eps=0.1, tau=0.5)
 
-    def __init__(self, arch='t', in_channels=3, attn_cfg=None, out_indices=(0, 1, 2, 3),
+    def __init__(self, arch='t', in_channels=3, pretrain_img_size=224, attn_cfg=None,
+                 out_indices=(0, 1, 2, 3),
                  qkv_bias=True, drop_rate=0., drop_path_rate=None, layer_scale_init_value=None,
                  with_cp=False, frozen_stages=-1, norm_eval=False, pretrained=None,
                  init_cfg=None):
@@ -197,7 +201,8 @@ class SeTformer(LinAttnBackbone):
                 embed_dims=self.embed_dims[i], num_heads=a['num_heads'][i],
                 attn_cfg=copy.deepcopy(attn_cfgs[i]), mlp_ratio=a['mlp_ratio'],
                 drop_rate=drop_rate, layer_scale_init_value=layer_scale_init_value,
-                with_cp=with_cp, qkv_bias=qkv_bias, stage_idx=i))
+                with_cp=with_cp, qkv_bias=qkv_bias, stage_idx=i,
+                pretrain_hw=(max(1, pretrain_img_size // 4 // 2**i), ) * 2))
         for i in out_indices:
             self.add_module(f'norm{i}', nn.LayerNorm(self.embed_dims[i]))
         self._freeze_stages()
