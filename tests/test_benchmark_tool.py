@@ -47,3 +47,33 @@ def _find(obj, key):
     elif isinstance(obj, list):
         for v in obj:
             yield from _find(v, key)
+
+
+def test_core_mode_reports_bandwidth_and_equal_outputs(tmp_path):
+    out = tmp_path / 'core.json'
+    res = TOOL['main'](['--mode', 'core', '--grid', '8x8', '12x10', '--batch', '2', '--heads',
+                        '2', '--head-dims', '8', '--impls', 'torch', 'reference', '--compare',
+                        'reference', '--warmup', '0', '--repeats', '2', '--json', str(out),
+                        '--peak-bw', '100'])
+    assert [r['impl'] for r in res] == ['torch', 'reference'] * 2
+    for r in res:
+        n_tok = r['size'][0] * r['size'][1]
+        # q, k, v, output (fp32) and the fp32 position encoding once per batch item
+        assert r['min_bytes'] == 4 * 2 * 2 * n_tok * 8 * 4 + 2 * 2 * n_tok * 8 * 4
+        assert abs(r['achieved_gb_s'] - r['min_bytes'] / (r['latency_ms'] * 1e-3) / 1e9) < 1e-9
+        assert abs(r['bw_fraction'] - r['achieved_gb_s'] / 100) < 1e-12
+    assert all(r['max_abs_diff_vs_first_impl'] < 1e-5 for r in res if r['impl'] == 'reference')
+    assert 'speedup_vs_reference' in res[0]
+    assert load(out)['peak_bw_gb_s'] == 100
+    with pytest.raises(SystemExit, match='not cores'):
+        TOOL['main'](['--mode', 'core', '--impls', 'official', '--grid', '4x4'])
+
+
+def test_attention_mode_nala_fast_vs_reference(tmp_path):
+    res = TOOL['main'](['--mode', 'attention', '--attn', 'nala', '--grid', '10x12', '--heads',
+                        '2', '--head-dims', '8', '--impls', 'reference', 'fast', '--compare',
+                        'reference', '--warmup', '0', '--repeats', '2'])
+    assert [r['impl'] for r in res] == ['reference', 'fast']
+    assert res[0]['target'] == 'nala-attn-h2-d8'
+    assert res[1]['max_abs_diff_vs_first_impl'] < 1e-5 * max(res[0]['max_abs_output'], 1e-3)
+    assert 'speedup_vs_reference' in res[1]

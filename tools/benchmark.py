@@ -8,6 +8,10 @@
     # the Pola attention layer alone at N = H*W tokens
     python tools/benchmark.py --mode attention --grid 128x128 --heads 3 --head-dims 32 \\
         --impls fast official reference --compare official
+    # the attention core alone (q, k, v in, normalised streams out): time, memory traffic and
+    # achieved bandwidth (on CUDA, as a fraction of the device's peak)
+    python tools/benchmark.py --mode core --device cuda --dtype bf16 --grid 128x128 256x256 \\
+        --batch 8 --impls triton torch --compare torch
 
 Options: ``--device cpu|cuda``, ``--dtype fp32|bf16|fp16`` (autocast), ``--batch``, ``--sizes``
 (``S`` = S x S or ``HxW``; a sweep), ``--warmup``, ``--repeats`` (the median is reported),
@@ -17,8 +21,10 @@ pixels, with the fitted slope per target).
 Implementations of the Pola mixers (``--impls``, every target is run with each one, same weights,
 same inputs, and outputs are compared with the first):
 
-* ``fast``: the plugin's default (``PolaLinearAttention(fused=None)``, the fast kernel
-  :mod:`linattn_mm.ops.pola`).
+* ``fast``: the plugin's default (``PolaLinearAttention(fused=None)``: the Triton kernel
+  :mod:`linattn_mm.ops.pola_triton` in CUDA inference, else the torch kernel).
+* ``torch``: the torch fast kernel :mod:`linattn_mm.ops.pola` everywhere (``fused=True``).
+* ``triton``: the Triton kernel (``fused='triton'``; CUDA only).
 * ``reference``: the plugin's reference core (``fused=False``).
 * ``official``: a straightforward implementation of the official forward written in this file
   from the pseudo-code of the official code (spec ``polaformer.md`` §1.2: two relu-pow per tensor,
@@ -34,6 +40,13 @@ peak is ``torch.cuda.max_memory_allocated`` during one forward; on CPU it is the
 tensor storage counted by :class:`linattn_mm.utils.PeakMemoryCounter` during one extra
 (untimed) forward, not counting the weights and the input. All forwards run in ``eval`` mode under
 ``torch.inference_mode``.
+
+``--mode core`` times the attention core alone on random ``q, k, v`` of shape (batch, heads,
+H*W, head dims) in ``--dtype`` (real tensors of that dtype, not autocast), with the temperature and
+a position encoding as in the module (``--impls`` among ``triton``, ``torch``, ``reference``). It
+reports the bytes the core must move at least (read q, k, v and the position encoding once, write
+the output once) divided by the time: the achieved memory bandwidth. On CUDA this is also given as
+a fraction of the device's peak (``--peak-bw`` in GB/s, or known for H100 / H200).
 """
 import argparse
 import gc
@@ -50,6 +63,7 @@ import torch.nn.functional as F
 
 import linattn_mm  # noqa: F401
 from linattn_mm.flops import dummy_inputs
+from linattn_mm.models.attentions.nala import NormAwareLinearAttention
 from linattn_mm.models.attentions.pola import PolaLinearAttention
 from linattn_mm.utils import PeakMemoryCounter
 from linattn_mm.utils.progress import emit, progress_bar
@@ -86,7 +100,12 @@ BACKBONES = {
                             'NaLaFormer-T with NaLa linear attention in all four stages'),
 }
 
-POLA_IMPLS = ('fast', 'reference', 'official')
+POLA_IMPLS = ('fast', 'torch', 'triton', 'reference', 'official')
+#: ``PolaLinearAttention.fused`` of each plugin implementation
+FUSED = {'fast': None, 'torch': True, 'triton': 'triton', 'reference': False}
+#: peak memory bandwidth (GB/s) by device name (first match; PCIe before the SXM default)
+PEAK_BW = (('H100 PCIe', 2000.), ('H100 NVL', 3900.), ('H100', 3350.), ('H200', 4800.),
+           ('A100-SXM4-80GB', 2039.), ('A100', 1555.))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -155,14 +174,22 @@ def pola_modules(model):
     return [m for m in model.modules() if isinstance(m, PolaLinearAttention)]
 
 
+def nala_modules(model):
+    return [m for m in model.modules() if isinstance(m, NormAwareLinearAttention)]
+
+
 def set_impl(model, impl):
-    """Switch every Pola mixer of ``model`` to ``impl`` (see the module docstring)."""
+    """Switch every Pola and NaLa mixer of ``model`` to ``impl`` (see the module docstring). NaLa
+    has one fast core (``fast``, ``torch`` and ``triton`` select it) and its reference core is the
+    official order of operations (``reference`` and ``official`` select it)."""
     for m in pola_modules(model):
         m.__dict__.pop('forward', None)
         if impl == 'official':
             m.forward = types.MethodType(official_pola_forward, m)
         else:
-            m.fused = None if impl == 'fast' else False
+            m.fused = FUSED[impl]
+    for m in nala_modules(model):
+        m.fused = False if impl in ('reference', 'official') else None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -322,7 +349,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('targets', nargs='*', help='backbone names (--list) or config files; '
                    'unused in --mode attention')
-    p.add_argument('--mode', choices=['backbone', 'model', 'attention'], default='backbone')
+    p.add_argument('--mode', choices=['backbone', 'model', 'attention', 'core'],
+                   default='backbone')
     p.add_argument('--list', action='store_true', help='list the built-in backbones and exit')
     p.add_argument('--device', default='cpu', help='cpu | cuda | cuda:N')
     p.add_argument('--dtype', choices=['fp32', 'bf16', 'fp16'], default='fp32',
@@ -345,8 +373,11 @@ def parse_args(argv=None):
     p.add_argument('--heads', type=int, default=3)
     p.add_argument('--head-dims', type=int, default=32)
     p.add_argument('--layout', choices=['qkvg', 'qg_kv'], default='qkvg')
+    p.add_argument('--attn', choices=['pola', 'nala'], default='pola',
+                   help='--mode attention: the mixer (NaLa: its fast and reference cores)')
     p.add_argument('--la-sr-ratio', type=int, default=1)
     p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--peak-bw', type=float, help='--mode core: device peak bandwidth, GB/s')
     p.add_argument('--json', help='write all results to this JSON file')
     p.add_argument('--plot', help='write a log-log plot of time and peak memory vs pixels')
     return p.parse_args(argv)
@@ -381,14 +412,19 @@ def main(argv=None):
           f'dtype {args.dtype}, batch {args.batch}, warmup {args.warmup}, repeats {args.repeats}'
           f' (median), peak memory: {mem_note}')
 
+    if args.mode == 'core':
+        return run_core(args, device)
     # --- targets: (name, build() -> (module, make_input(size) -> callable)) ---
     jobs = []
     if args.mode == 'attention':
         sizes = [parse_size(s) for s in args.grid]
         C = args.heads * args.head_dims
-        name = f'pola-attn-{args.layout}-h{args.heads}-d{args.head_dims}'
+        name = f'pola-attn-{args.layout}-h{args.heads}-d{args.head_dims}' if \
+            args.attn == 'pola' else f'nala-attn-h{args.heads}-d{args.head_dims}'
 
         def build_attn(hw0=sizes[0]):
+            if args.attn == 'nala':
+                return NormAwareLinearAttention(C, args.heads)
             m = PolaLinearAttention(C, args.heads, qkv_layout=args.layout,
                                     la_sr_ratio=args.la_sr_ratio, pretrain_hw=hw0)
             return m
@@ -435,8 +471,8 @@ def main(argv=None):
         model = build().to(device)
         model.eval()  # (some mmdet backbones' train() returns None)
         _randomise_pola(model, args.seed)
-        has_pola = bool(pola_modules(model))
-        impls = args.impls if has_pola else ['-']
+        has_mixers = bool(pola_modules(model) or nala_modules(model))
+        impls = args.impls if has_mixers else ['-']
         nparams = sum(p.numel() for p in model.parameters())
         for hw in sizes:
             if bar is not None:
@@ -474,7 +510,7 @@ def main(argv=None):
             gc.collect()
             if bar is not None:
                 bar.update()
-        if has_pola:
+        if has_mixers:
             set_impl(model, 'fast')
         del model
         gc.collect()
@@ -523,6 +559,96 @@ def main(argv=None):
     if args.plot:
         plot(results, args.plot, f'{args.mode}, {device}, {args.dtype}, batch {args.batch}')
         print(f'wrote {args.plot}')
+    return results
+
+
+CORE_IMPLS = ('triton', 'torch', 'reference')
+
+
+def core_function(impl, q, k, v, p, inv_s, pe, eps=1e-6):
+    """One call of the Pola attention core as the module makes it for ``impl``."""
+    from linattn_mm.models.attentions.pola import polarity_attention
+    from linattn_mm.ops import polarity_attention_fast, polarity_attention_triton
+    if impl == 'triton':  # reads the inputs in their dtype, float32 inside
+        return lambda: polarity_attention_triton(q, k, v, p, eps, inv_scale=inv_s, k_bias=pe)
+    work = torch.promote_types(q.dtype, torch.float32)  # the modules' float32 feature maps
+    if impl == 'torch':
+        return lambda: polarity_attention_fast(q.to(work), k.to(work), v.to(work), p, eps,
+                                               inv_scale=inv_s, k_bias=pe)
+    if impl == 'reference':
+        return lambda: polarity_attention(q.to(work) * inv_s, (k.to(work) + pe) * inv_s,
+                                          v.to(work), p, eps)
+    raise SystemExit(f'--mode core: unknown implementation {impl!r}; choose from {CORE_IMPLS}')
+
+
+def device_peak_bw(device, given=None):
+    """Peak memory bandwidth in GB/s: ``given``, else known for the CUDA device, else None."""
+    if given:
+        return given
+    if device.type != 'cuda':
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((bw for key, bw in PEAK_BW if key in name), None)
+
+
+def run_core(args, device):
+    """``--mode core``: the attention core alone, with its achieved memory bandwidth."""
+    dtype = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}[args.dtype]
+    impls = [i for i in args.impls if i != 'fast'] or ['torch']
+    bad = [i for i in impls if i not in CORE_IMPLS]
+    if bad:
+        raise SystemExit(f'--mode core: implementations {bad} are not cores; choose from '
+                         f'{CORE_IMPLS}')
+    B, h, d = args.batch, args.heads, args.head_dims
+    peak_bw = device_peak_bw(device, args.peak_bw)
+    results = []
+    for grid in args.grid:
+        H, W = parse_size(grid)
+        N = H * W
+        g = torch.Generator(device='cpu').manual_seed(args.seed)
+        q, k, v = (torch.randn(B, h, N, d, generator=g).to(device, dtype) for _ in range(3))
+        p = (1 + 4 * torch.rand(1, h, 1, d, generator=g)).to(device)
+        inv_s = (1 / (0.5 + torch.rand(1, h, 1, d, generator=g))).to(device)
+        pe = (0.1 * torch.randn(1, h, N, d, generator=g)).to(device)
+        # least traffic: q, k, v read and the output written once (input dtype), the float32
+        # position encoding read once per batch item
+        nbytes = 4 * B * h * N * d * q.element_size() + B * pe.numel() * pe.element_size()
+        variants = [(impl, lambda: None, core_function(impl, q, k, v, p, inv_s, pe))
+                    for impl in impls]
+        meas = measure_interleaved(variants, device, args.warmup, args.repeats, None)
+        first = meas[impls[0]][2]
+        for impl in impls:
+            med, times, out, peak, how = meas[impl]
+            gbs = nbytes / med / 1e9
+            r = dict(target=f'pola-core-h{h}-d{d}', impl=impl, size=[H, W], pixels=N, batch=B,
+                     dtype=args.dtype, latency_ms=med * 1e3, times_ms=[t * 1e3 for t in times],
+                     tokens_per_s=B * N / med, peak_mem_mb=peak / 2**20, peak_mem_method=how,
+                     min_bytes=nbytes, achieved_gb_s=gbs,
+                     bw_fraction=None if peak_bw is None else gbs / peak_bw,
+                     max_abs_diff_vs_first_impl=None if impl == impls[0] else
+                     max_abs_diff(first, out), max_abs_output=max_abs(out))
+            results.append(r)
+            frac = '' if peak_bw is None else f' = {gbs / peak_bw:.1%} of {peak_bw:.0f} GB/s'
+            diff = '' if impl == impls[0] else \
+                f'  max|diff| vs {impls[0]} = {r["max_abs_diff_vs_first_impl"]:.3g}'
+            print(f'{r["target"]} {impl:9s} B{B} {H}x{W} {args.dtype}: {med * 1e3:9.3f} ms '
+                  f'(min {min(times) * 1e3:.3f}), {nbytes / 2**20:.1f} MiB moved at least, '
+                  f'{gbs:8.1f} GB/s{frac}, peak {peak / 2**20:.1f} MB{diff}')
+        for base in args.compare or []:
+            for r in results[-len(impls):]:
+                b = next((x for x in results[-len(impls):] if x['impl'] == base), None)
+                if b is not None and r is not b:
+                    r['speedup_vs_' + base] = b['latency_ms'] / r['latency_ms']
+                    print(f'  {r["impl"]} vs {base}: {r["speedup_vs_" + base]:.2f}x')
+        del meas, first
+        gc.collect()
+    if args.json:
+        with open(args.json, 'w') as f:
+            json.dump(dict(args=vars(args), torch=torch.__version__, device=str(device),
+                           device_name=torch.cuda.get_device_name(device)
+                           if device.type == 'cuda' else 'cpu', peak_bw_gb_s=peak_bw,
+                           results=results), f, indent=1)
+        print(f'wrote {args.json}')
     return results
 
 

@@ -36,6 +36,11 @@ Paper vs. official code, and what this module does:
 4. **Zero-norm query.** The code divides by ``||q||`` without an epsilon (NaN for ``q = 0``); here
    the divisor is clamped at ``1e-12`` (``d(0) = 0``: the token's output is its LePE/gate term).
 
+Fast path: by default (``fused=None``) the official kernel runs
+:func:`linattn_mm.ops.nala.nala_attention_fast` (one ``exp`` per query element for the power, the
+RoPE rotation folded into the small (4d, d) matrices, ``1/N`` folded); it equals the reference
+(``fused=False``, the official order of operations) up to float rounding, gradients included.
+
 Precision: everything between the ``qkvg`` projection and ``out_proj`` (LePE, kernel, matmuls,
 LayerNorm and gate) runs in float32 with autocast disabled, as the official code (``k^3`` and the
 powers overflow fp16); float64 inputs are computed in float64.
@@ -46,6 +51,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from linattn_mm.ops.nala import nala_attention_fast
 from linattn_mm.registry import ATTENTIONS
 from .base import BaseTokenMixer
 
@@ -210,6 +216,12 @@ class NormAwareLinearAttention(_NaLaBlockMixin):
         eps (float): added to the denominator. Defaults to 1e-6.
         qkv_bias (bool): bias of the ``qkvg`` projection. Defaults to True.
         proj_drop (float): dropout after ``out_proj``. Defaults to 0.
+        fused (bool | None): which core for ``kernel='official'``. ``None`` (default) or
+            ``True``: the fast kernel :func:`linattn_mm.ops.nala.nala_attention_fast` (one
+            ``exp`` per query element for the power, RoPE folded into the small matrices; equal
+            to the reference up to float rounding, gradients included). ``False``: the
+            reference (``feature_maps`` + ``apply_rope`` in the official order of operations).
+            ``kernel='paper'`` always runs the reference.
         init_cfg (dict, optional): mmengine init config.
 
     ``forward(x, hw_shape, rope=None)`` takes tokens ``(B, H*W, C)``; ``rope`` optionally passes a
@@ -218,15 +230,18 @@ class NormAwareLinearAttention(_NaLaBlockMixin):
 
     def __init__(self, embed_dims, num_heads, kernel='official', power=3., use_rope=True,
                  rope_base=10000., lepe_kernel_size=5, eps=1e-6, qkv_bias=True, proj_drop=0.,
-                 init_cfg=None):
+                 fused=None, init_cfg=None):
         super().__init__(embed_dims, num_heads, 0, init_cfg)
         if kernel not in ('official', 'paper'):
             raise ValueError(f"kernel must be 'official' or 'paper', got {kernel!r}")
         if power <= 0:
             raise ValueError(f'power must be positive, got {power}')
+        if fused not in (None, True, False):
+            raise ValueError(f'fused must be None, True or False, got {fused!r}')
         self.kernel = kernel
         self.power = float(power)
         self.eps = float(eps)
+        self.fused = fused
         self._build_common(embed_dims, qkv_bias, lepe_kernel_size, proj_drop, use_rope, rope_base)
 
     def feature_maps(self, q, k):
@@ -251,6 +266,11 @@ class NormAwareLinearAttention(_NaLaBlockMixin):
             phi_k = torch.cat([mk * torch.cos(ak), mk * torch.sin(ak)], -1)
         return phi_q, phi_k
 
+    @property
+    def use_fast_path(self):
+        """True when the fast core runs (``fused`` not False, official kernel)."""
+        return self.fused is not False and self.kernel == 'official'
+
     def _numerator_features(self, q, k, hw_shape, rope):
         """RoPE-rotated feature maps ``(R phi_q, R phi_k)`` and the normaliser
         ``z = 1 / (phi_q . mean_j phi_k + eps)`` (B, h, N, 1) of the unrotated maps."""
@@ -265,10 +285,15 @@ class NormAwareLinearAttention(_NaLaBlockMixin):
         self.check_input(x, hw_shape)
         q, k, v, g, lepe = self._project(x, hw_shape)
         with _no_autocast(x.device):
-            N = q.shape[-2]
-            phi_q, phi_k, z = self._numerator_features(q, k, hw_shape, rope)
-            kv = (phi_k.transpose(-2, -1) * N ** -0.5) @ (v * N ** -0.5)  # (B, h, 2d, d)
-            y = self._gate((phi_q @ kv) * z, lepe, g)
+            if self.use_fast_path:
+                sin, cos = self._rope(hw_shape, rope, q.dtype, q.device)
+                out = nala_attention_fast(q, k, v, self.power, self.eps, sin, cos)
+            else:
+                N = q.shape[-2]
+                phi_q, phi_k, z = self._numerator_features(q, k, hw_shape, rope)
+                kv = (phi_k.transpose(-2, -1) * N ** -0.5) @ (v * N ** -0.5)  # (B, h, 2d, d)
+                out = (phi_q @ kv) * z
+            y = self._gate(out, lepe, g)
         return self._output(y)
 
     has_attention_weights = True

@@ -144,12 +144,15 @@ class PolaLinearAttention(BaseTokenMixer):
             per-channel G, the paper's wording) or ``'none'``. Default ``'dynamic'``.
         temperature (bool): divide q and k by ``softplus(scale)`` (official). Default True.
         use_pos_enc (bool): learnable position encoding on K (official). Default True.
-        fused (bool | None): which core. ``None`` (default, automatic) and ``True``: the fast
-            kernel :func:`linattn_mm.ops.pola.polarity_attention_fast` (one ``pow`` per tensor,
-            one query-side GEMM for both streams and both normalisers; equal to the reference up
-            to float rounding, gradients included). ``False``: the reference
-            :func:`polarity_attention` in the official order of operations (for debugging and
-            as the test oracle).
+        fused (bool | str | None): which core. ``None`` (default, automatic): the Triton kernel
+            :func:`linattn_mm.ops.pola_triton.polarity_attention_triton` for CUDA inference (no
+            gradient needed, float32 / bfloat16 / float16 inputs, Triton installed), else the
+            torch fast kernel. ``True``: always the torch fast kernel
+            :func:`linattn_mm.ops.pola.polarity_attention_fast` (one ``pow`` per tensor, one
+            query-side GEMM for both streams and both normalisers; equal to the reference up to
+            float rounding, gradients included). ``'triton'``: always the Triton kernel (an
+            error where it cannot run). ``False``: the reference :func:`polarity_attention` in
+            the official order of operations (for debugging and as the test oracle).
         eps (float): added to the normaliser. Default 1e-6.
         num_extra_tokens (int): class tokens before the grid (see the module docstring).
         qkv_bias (bool): bias of the input projections. Default True.
@@ -187,7 +190,10 @@ class PolaLinearAttention(BaseTokenMixer):
         self.gate_type = gate
         self.temperature = bool(temperature)
         self.use_pos_enc = bool(use_pos_enc)
-        self.fused = None if fused is None else bool(fused)
+        if fused is not None and fused not in (True, False, 'triton'):
+            raise ValueError(f"{name}: fused must be None, True, False or 'triton', got "
+                             f'{fused!r}')
+        self.fused = fused
         self.eps = float(eps)
 
         dyn = gate == 'dynamic'
@@ -343,11 +349,41 @@ class PolaLinearAttention(BaseTokenMixer):
         k, v = self.kv(src).reshape(B, src.shape[1], 2, C).unbind(2)
         return q, k, v, g, kv_hw
 
+    @staticmethod
+    def _triton():
+        """The Triton kernel module, imported on first use (Triton is optional)."""
+        from linattn_mm.ops import pola_triton
+        return pola_triton
+
+    def _use_triton(self, q, k, v):
+        """Whether this call runs the Triton core (see ``fused``)."""
+        params = [self.power] + ([self.scale] if self.temperature else [])
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in [q, k, v] + params)
+        if self.fused == 'triton':
+            if grad:
+                raise RuntimeError(f"{type(self).__name__}: fused='triton' is forward-only (no "
+                                   f'gradient); train with fused=None or True, or run under '
+                                   f'torch.no_grad()')
+            return True
+        if self.fused is not None or not q.is_cuda or grad:
+            return False
+        ops = self._triton()
+        return ops.triton_available(q) and all(t.dtype in ops.TRITON_DTYPES for t in (q, k, v))
+
     def _attend(self, q, k, v, k_bias=None):
         """Temperature, polarity feature maps and the two normalised streams with autocast off, in
         float32 (float64 inputs stay float64). q (B,N,C), k/v (B,n,C) -> (B,N,C) in v's dtype.
         ``k_bias`` (1, n, C) is added to k first (the position encoding)."""
         out_dtype = v.dtype
+        if self._use_triton(q, k, v):  # reads the inputs in their own dtype, float32 inside
+            h = self.num_heads
+            p, inv_s = self._coefficients(torch.float32)
+            if k_bias is not None:
+                k_bias = split_heads(k_bias, h)
+            out = self._triton().polarity_attention_triton(
+                split_heads(q, h), split_heads(k, h), split_heads(v, h), p, self.eps,
+                inv_scale=inv_s, k_bias=k_bias, out_dtype=out_dtype)
+            return merge_heads(out)
         work = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
         work = torch.promote_types(work, torch.float32)  # fp16/bf16 -> fp32; fp64 stays
         with torch.autocast(device_type=q.device.type, enabled=False):

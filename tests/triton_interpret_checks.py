@@ -1,0 +1,98 @@
+"""Run by tests/test_pola_triton.py in a subprocess with ``TRITON_INTERPRET=1`` (Triton's
+interpreter runs the kernels on CPU tensors; the variable must be set before the kernels are
+defined). Prints one JSON object: case name -> relative error against the float64 reference."""
+import json
+import sys
+
+import torch
+
+from linattn_mm.models.attentions.pola import PolaLinearAttention, polarity_attention
+from linattn_mm.models.backbones import LinAttnSwin
+from linattn_mm.ops.pola_triton import polarity_attention_triton
+
+
+def rel(got, want):
+    got, want = got.double(), want.double()
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def core_cases():
+    """(name, B, h, N, n, d, position encoding, temperature, input dtype)."""
+    return [('fp32 d32 pe scale', 2, 3, 70, 70, 32, True, True, torch.float32),
+            ('fp32 odd d7 n<N no pe', 1, 2, 33, 17, 7, False, True, torch.float32),
+            ('fp32 d64 one head no scale', 1, 1, 129, 129, 64, True, False, torch.float32),
+            ('fp32 d8 several key chunks', 1, 1, 40, 300, 8, True, True, torch.float32),
+            ('bf16 d16', 2, 2, 50, 50, 16, True, True, torch.bfloat16),
+            ('fp16 d16', 1, 2, 50, 50, 16, True, True, torch.float16)]
+
+
+def run_core(res):
+    for name, B, h, N, n, d, pe, sc, dt in core_cases():
+        g = torch.Generator().manual_seed(len(res))
+        q = torch.randn(B, N, h * 4 * d, generator=g)[..., ::4]  # strided, like an unbind view
+        q = q.reshape(B, N, h, d).transpose(1, 2)
+        k, v = (torch.randn(B, h, n, d, generator=g) for _ in range(2))
+        p = 1 + 4 * torch.rand(1, h, 1, d, generator=g)
+        s = 0.5 + torch.rand(1, h, 1, d, generator=g)
+        bias = 0.3 * torch.randn(1, h, n, d, generator=g) if pe else None
+        q, k, v = q.to(dt), k.to(dt), v.to(dt)
+        bias = bias.to(dt) if pe else None
+        out = polarity_attention_triton(q, k, v, p, 1e-6, inv_scale=1 / s if sc else None,
+                                        k_bias=bias, out_dtype=torch.float32)
+        assert out.shape == (B, h, N, d) and out.transpose(1, 2).is_contiguous()
+        # reference: the official order of operations in float64 on the same (rounded) inputs
+        qq, kk, vv = q.double(), k.double(), v.double()
+        if pe:
+            kk = kk + bias.double()
+        if sc:
+            qq, kk = qq / s.double(), kk / s.double()
+        res[name] = rel(out, polarity_attention(qq, kk, vv, p.double(), 1e-6))
+
+
+def randomise_pola_(m, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, prm in m.named_parameters():
+            if name.split('.')[-1] in ('power', 'scale', 'positional_encoding'):
+                prm.copy_(0.5 * torch.randn(prm.shape, generator=g))
+
+
+def run_modules(res):
+    cases = [('module qkvg', dict(qkv_layout='qkvg'), 0, (11, 13)),
+             ('module qg_kv la_sr 2', dict(la_sr_ratio=2), 0, (12, 9)),
+             ('module static gate, class token', dict(qkv_layout='qkvg', gate='static'), 1,
+              (7, 7))]
+    for i, (name, kw, e, hw) in enumerate(cases):
+        torch.manual_seed(i)
+        m = PolaLinearAttention(32, 4, pretrain_hw=(8, 8), num_extra_tokens=e, **kw).eval()
+        randomise_pola_(m, i)
+        x = torch.randn(2, e + hw[0] * hw[1], 32)
+        with torch.no_grad():
+            m.fused = False
+            want = m.double()(x.double(), hw)
+            m.float().fused = 'triton'
+            got = m(x, hw)
+        res[name] = rel(got, want)
+    # a whole Pola-Swin backbone (global Pola in stages 1-2), every mixer on the Triton core
+    torch.manual_seed(0)
+    net = LinAttnSwin(arch=dict(embed_dims=32, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8]),
+                      attn_cfg=[dict(type='PolaLinearAttention', qkv_layout='qkvg')] * 2 + [
+                          dict(type='WindowSoftmaxAttention', window_size=7)] * 2).eval()
+    randomise_pola_(net, 7)
+    x = torch.randn(1, 3, 64, 96)
+    mixers = [m for m in net.modules() if isinstance(m, PolaLinearAttention)]
+    with torch.no_grad():
+        for m in mixers:
+            m.fused = False
+        want = net.double()(x.double())
+        for m in mixers:
+            m.fused = 'triton'
+        got = net.float()(x)
+    res['Pola-Swin backbone'] = max(rel(a, b) for a, b in zip(got, want))
+
+
+if __name__ == '__main__':
+    results = {}
+    run_core(results)
+    run_modules(results)
+    json.dump(results, sys.stdout)
