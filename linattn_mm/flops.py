@@ -8,6 +8,7 @@ counter runs the model under :class:`torch.utils.flop_counter.FlopCounterMode`, 
 the aten ops themselves (``mm``, ``bmm``, ``addmm``, convolutions, einsum through its bmm), and adds
 the CPU fused-attention kernel that torch's table lacks. MACs = FLOPs / 2.
 """
+import contextlib
 import math
 from collections import defaultdict
 
@@ -61,15 +62,35 @@ class MacCount:
         return f'MacCount({self.gmacs:.4f} GMACs)'
 
 
+@contextlib.contextmanager
+def reference_cores(fn):
+    """Run the attention mixers of ``fn`` (a module) with their reference cores (``fused=False``)
+    and restore their setting afterwards. The fast kernels reorganise the same model (e.g. NaLa's
+    RoPE folded into (4d, d) matrices makes its two small GEMMs twice as wide while removing
+    element-wise passes), so the count is that of the model in its official form, whatever the
+    kernel."""
+    mods = [m for m in fn.modules() if hasattr(m, 'fused') and hasattr(m, 'use_fast_path')] \
+        if isinstance(fn, torch.nn.Module) else []
+    saved = [m.fused for m in mods]
+    try:
+        for m in mods:
+            m.fused = False
+        yield
+    finally:
+        for m, f in zip(mods, saved):
+            m.fused = f
+
+
 def count_macs(fn, *args, **kwargs):
     """Run ``fn(*args, **kwargs)`` (a module or any callable) without gradients and count its
-    multiply-accumulates (see the module docstring for what is counted).
+    multiply-accumulates (see the module docstring for what is counted). The attention mixers of a
+    module run their reference cores while counted (:func:`reference_cores`).
 
     Returns:
         MacCount
     """
     counter = FlopCounterMode(display=False, depth=None, custom_mapping=_custom_mapping())
-    with torch.no_grad(), counter:
+    with torch.no_grad(), reference_cores(fn), counter:
         fn(*args, **kwargs)
     by_module = {}
     for mod, ops in counter.get_flop_counts().items():

@@ -124,3 +124,19 @@ def test_backbone_fast_equals_reference():
             m.fused = False
         ref = net(x)
     assert all(rel_err(a, b) < 1e-10 for a, b in zip(fast, ref))
+
+
+def test_mac_count_is_the_reference_model_whatever_the_kernel():
+    """count_macs(module) counts the official form: N (4C^2 + C^2) for qkvg and out_proj, 25 N C
+    for the 5x5 LePE and, per head, phi_k^T v and phi_q W (2 * N 2d d) plus the denominator
+    (N 2d); the fast kernel's wider GEMMs are not counted, and its setting is restored."""
+    from linattn_mm.flops import count_macs
+    C, h, H, W = 64, 2, 6, 7
+    N, d = H * W, C // h
+    m = NormAwareLinearAttention(C, h).eval()
+    x = torch.randn(1, N, C)
+    want = 5 * N * C * C + 25 * N * C + h * (2 * N * 2 * d * d + N * 2 * d)
+    assert count_macs(m, x, (H, W)).total == want
+    assert m.fused is None
+    fast = count_macs(lambda: m(x, (H, W))).total  # the kernel as it runs
+    assert fast == want + h * 2 * N * 2 * d * d  # RoPE folded: (4d, d) matrices on both sides
