@@ -203,6 +203,11 @@ TABLE = {
     'python tools/benchmark.py --mode backbone global-pvt-t pola-pvt-t --sizes 256 512 --threads 1 '
     '--warmup 1 --repeats 2':
         Run('benchmark_global', '--sizes 64 96 --warmup 0 --repeats 1'),
+    'python tools/benchmark.py --mode core --device cuda --dtype bf16 --grid 128x128 256x256 '
+    '--batch 8 --impls triton torch --compare torch':
+        Run('benchmark_core', '--device cpu --dtype fp32 --impls torch reference --compare '
+            'reference --grid 8x8 --batch 1 (no GPU in CI; the Triton kernel itself is tested '
+            'through the interpreter by tests/test_pola_triton.py)'),
     # ---- docs/new_detector_config.md
     '.venv/bin/python tools/train.py configs/mine/atss_swin-t_fpn_1x_coco.py':
         Run('new_detector_config', 'run in tmp: configs/mine/atss_swin-t_fpn_1x_coco.py is the '
@@ -559,6 +564,18 @@ def case_benchmark_attention(sh, tmp_path):
     for impl in ('reference', 'fast'):
         assert re.search(_RATIO.format(name=r'pola-attn-qkvg-h3-d32', impl=impl, size='16x16'),
                          out, re.M), out[-3000:]
+
+
+def case_benchmark_core(sh, tmp_path):
+    cmd = ('python tools/benchmark.py --mode core --device cuda --dtype bf16 --grid 128x128 '
+           '256x256 --batch 8 --impls triton torch --compare torch')
+    out = sh(cmd, doc_argv(cmd, values={'--device': ['cpu'], '--dtype': ['fp32'],
+                                        '--impls': ['torch', 'reference'],
+                                        '--compare': ['reference'], '--grid': ['8x8'],
+                                        '--batch': ['1']}))
+    assert re.search(r'^pola-core-h3-d32 torch\s+B1 8x8 fp32: +[\d.]+ ms .* MiB moved at least, '
+                     r'+[\d.]+ GB/s', out, re.M), out[-3000:]
+    assert re.search(r'^  torch vs reference: [\d.]+x$', out, re.M), out[-3000:]
 
 
 def case_benchmark_model(sh, tmp_path):
