@@ -293,7 +293,11 @@ def render(results, args, command):
         setting = ('every family\'s token mixer in one skeleton, the NAT-style hierarchy of '
                    'SeTformer (conv stem, conv downsamplers, a LayerNorm on every output) with one '
                    'block per stage (two in stage 3) and widths 32/64/128/256, the mixer in every '
-                   'block; "softmax" is the same skeleton with global softmax attention')
+                   'block; "softmax" is the same skeleton with global softmax attention. (With '
+                   'the patchify stems of the Swin and NaLaFormer skeletons, `--skeleton own`, '
+                   'neither softmax nor linear attention gets clearly above the untrained model '
+                   'within this budget: the stem, not the mixer, limits learning from scratch '
+                   'there)')
     else:
         setting = ('each family\'s own demo config (its skeleton and attention) with one block per '
                    'stage (two in stage 3) and widths 32/64/128/256; each linear family sits next '
