@@ -203,6 +203,15 @@ TABLE = {
     'python tools/benchmark.py --mode backbone global-pvt-t pola-pvt-t --sizes 256 512 --threads 1 '
     '--warmup 1 --repeats 2':
         Run('benchmark_global', '--sizes 64 96 --warmup 0 --repeats 1'),
+    'python tools/benchmark.py --mode attention --attn nala --grid 128x128 --heads 3 --head-dims 32 '
+    '--impls reference fast --compare reference --threads 1 --warmup 2 --repeats 15':
+        Run('benchmark_nala_attention', '--grid 16x16 --warmup 0 --repeats 1'),
+    'python tools/benchmark.py --mode backbone nalaformer-t swin-t --sizes 800x1344 --impls '
+    'reference fast --threads 1 --warmup 1 --repeats 3 --compare reference nalaformer-t:swin-t':
+        Run('benchmark_nala_backbone', '--sizes 64x96 --warmup 0 --repeats 1'),
+    'python tools/benchmark.py --mode backbone pola-pvt-t pola-swin-t nalaformer-t-linear --sizes '
+    '1024 2048 --threads 1 --warmup 1 --repeats 2 --heap-malloc --json scale_heap.json':
+        Run('benchmark_scale_heap', '--sizes 64 96 --warmup 0 --repeats 1; --json -> tmp'),
     'python tools/benchmark.py --mode core --device cuda --dtype bf16 --grid 128x128 256x256 '
     '--batch 8 --impls triton torch --compare torch':
         Run('benchmark_core', '--device cpu --dtype fp32 --impls torch reference --compare '
@@ -564,6 +573,42 @@ def case_benchmark_attention(sh, tmp_path):
     for impl in ('reference', 'fast'):
         assert re.search(_RATIO.format(name=r'pola-attn-qkvg-h3-d32', impl=impl, size='16x16'),
                          out, re.M), out[-3000:]
+
+
+def case_benchmark_nala_attention(sh, tmp_path):
+    cmd = ('python tools/benchmark.py --mode attention --attn nala --grid 128x128 --heads 3 '
+           '--head-dims 32 --impls reference fast --compare reference --threads 1 --warmup 2 '
+           '--repeats 15')
+    out = sh(cmd, doc_argv(cmd, values={'--grid': ['16x16'], '--warmup': ['0'],
+                                        '--repeats': ['1']}))
+    assert re.search(_RATIO.format(name='nala-attn-h3-d32', impl='fast', size='16x16'), out,
+                     re.M), out[-3000:]
+
+
+def case_benchmark_nala_backbone(sh, tmp_path):
+    cmd = ('python tools/benchmark.py --mode backbone nalaformer-t swin-t --sizes 800x1344 '
+           '--impls reference fast --threads 1 --warmup 1 --repeats 3 --compare reference '
+           'nalaformer-t:swin-t')
+    out = sh(cmd, doc_argv(cmd, values={'--sizes': ['64x96'], '--warmup': ['0'],
+                                        '--repeats': ['1']}))
+    assert '# time ratios: swin-t / this' in out and '# time ratios: reference / this' in out
+    for impl in ('reference', 'fast'):
+        assert re.search(_RATIO.format(name='nalaformer-t', impl=impl, size='64x96'), out,
+                         re.M), out[-3000:]
+
+
+def case_benchmark_scale_heap(sh, tmp_path):
+    import json
+    cmd = ('python tools/benchmark.py --mode backbone pola-pvt-t pola-swin-t nalaformer-t-linear '
+           '--sizes 1024 2048 --threads 1 --warmup 1 --repeats 2 --heap-malloc --json '
+           'scale_heap.json')
+    js = tmp_path / 'scale_heap.json'
+    out = sh(cmd, doc_argv(cmd, values={'--sizes': ['64', '96'], '--warmup': ['0'],
+                                        '--repeats': ['1'], '--json': [str(js)]}))
+    assert 'heap allocator: on' in out.splitlines()[0] or 'not glibc' in out.splitlines()[0]
+    assert json.loads(js.read_text())['args']['heap_malloc'] is True
+    for name in ('pola-pvt-t', 'pola-swin-t', 'nalaformer-t-linear'):
+        assert re.search(rf'^{name}\s+fast\s+96x96/64x64: [\d.]+; slope', out, re.M), out[-3000:]
 
 
 def case_benchmark_core(sh, tmp_path):

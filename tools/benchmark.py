@@ -65,7 +65,7 @@ import linattn_mm  # noqa: F401
 from linattn_mm.flops import dummy_inputs
 from linattn_mm.models.attentions.nala import NormAwareLinearAttention
 from linattn_mm.models.attentions.pola import PolaLinearAttention
-from linattn_mm.utils import PeakMemoryCounter
+from linattn_mm.utils import PeakMemoryCounter, use_heap_allocator
 from linattn_mm.utils.progress import emit, progress_bar
 
 POLA_PVT = dict(type='PolaLinearAttention', qkv_layout='qg_kv', alpha=4, kernel_size=5,
@@ -377,6 +377,9 @@ def parse_args(argv=None):
                    help='--mode attention: the mixer (NaLa: its fast and reference cores)')
     p.add_argument('--la-sr-ratio', type=int, default=1)
     p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--heap-malloc', action='store_true',
+                   help='CPU: serve large tensors from the heap instead of fresh mmaps (glibc; '
+                   'linattn_mm.utils.use_heap_allocator)')
     p.add_argument('--peak-bw', type=float, help='--mode core: device peak bandwidth, GB/s')
     p.add_argument('--json', help='write all results to this JSON file')
     p.add_argument('--plot', help='write a log-log plot of time and peak memory vs pixels')
@@ -404,13 +407,15 @@ def main(argv=None):
         return
     if args.threads:
         torch.set_num_threads(args.threads)
+    heap = use_heap_allocator() if args.heap_malloc else None
     device = torch.device(args.device)
     ac = {'fp32': None, 'bf16': torch.bfloat16, 'fp16': torch.float16}[args.dtype]
     torch.manual_seed(args.seed)
     mem_note = 'cuda max_memory_allocated' if device.type == 'cuda' else 'PeakMemoryCounter'
     print(f'# torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, '
           f'dtype {args.dtype}, batch {args.batch}, warmup {args.warmup}, repeats {args.repeats}'
-          f' (median), peak memory: {mem_note}')
+          f' (median), peak memory: {mem_note}'
+          + ('' if heap is None else f', heap allocator: {"on" if heap else "not glibc, off"}'))
 
     if args.mode == 'core':
         return run_core(args, device)

@@ -1,4 +1,5 @@
 """Utilities shared by tests and benchmarks (no model code)."""
+from .malloc import use_heap_allocator
 from .memory import PeakMemoryCounter
 
-__all__ = ['PeakMemoryCounter']
+__all__ = ['PeakMemoryCounter', 'use_heap_allocator']
