@@ -360,9 +360,9 @@ _PRETRAINED = re.compile(r"Pretrained checkpoint '([^']*)' \(state dict from '[^
 # ------------------------------------------------------------------------------------------------
 def case_demo_sh(sh, tmp_path):
     cmd = 'bash tools/demo.sh'
-    default = osp.join(CONFIGS, 'pvtv2', 'mask-rcnn_pvtv2-b0_fpn_1x_coco_demo.py')
+    default = osp.join(CONFIGS, 'polaformer', 'mask-rcnn_pola-nat-tiny_fpn_300it_coco_demo.py')
     train_opts, test_opts, keys = _cfg_options(default)
-    name = f'mask-rcnn_pvtv2-b0_fpn_1x_coco_demo_doctest{os.getpid()}'
+    name = f'mask-rcnn_pola-nat-tiny_fpn_300it_coco_demo_doctest{os.getpid()}'
     config = tmp_path / f'{name}.py'
     # demo.sh gives its extra arguments to train.py only: the tmp config cuts the test pass
     config.write_text(

@@ -89,3 +89,20 @@ def test_reduced_learning_check_writes_a_parsable_section(tmp_path):
                           str(plot)])
     assert [r['metrics'] for r in again] == [r['metrics'] for r in results[:3]]
     assert [r['seconds'] for r in again] == [r['seconds'] for r in results[:3]]
+
+
+def test_main_demo_config_is_the_learning_checks_pola_run(tmp_path):
+    """tools/demo.sh trains the learning check's PolaFormer Mask R-CNN (same model, optimiser,
+    schedule and data; docs/fidelity.md has its AP): the two cannot drift apart."""
+    from mmengine.config import Config
+    spec = dict((s[0], s) for s in TOOL['runs_of']('det', ['polaformer']))['polaformer']
+    path = tmp_path / 'learning_check_pola.py'
+    path.write_text(TOOL['recipe_text'](spec[1], 'det', 300, TOOL['DEFAULT_LR']['det'], spec[2]))
+    check = Config.fromfile(str(path))
+    demo = Config.fromfile('configs/polaformer/mask-rcnn_pola-nat-tiny_fpn_300it_coco_demo.py')
+    for key in ('model', 'optim_wrapper', 'param_scheduler', 'train_cfg', 'train_dataloader',
+                'val_dataloader', 'val_evaluator', 'log_processor'):
+        assert check[key] == demo[key], key
+    assert demo.model.backbone.attn_cfg.type == 'PolaLinearAttention'
+    assert "CONFIG=\"${1:-configs/polaformer/mask-rcnn_pola-nat-tiny_fpn_300it_coco_demo.py}\"" \
+        in open('tools/demo.sh').read()

@@ -7,7 +7,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="$(bash tools/bootstrap.sh | tail -n 1)"
-CONFIG="${1:-configs/pvtv2/mask-rcnn_pvtv2-b0_fpn_1x_coco_demo.py}"
+CONFIG="${1:-configs/polaformer/mask-rcnn_pola-nat-tiny_fpn_300it_coco_demo.py}"
 shift $(( $# > 0 ? 1 : 0 ))
 WORK="work_dirs/demo/$(basename "$CONFIG" .py)"
 export PYTHONUNBUFFERED=1
