@@ -1,7 +1,7 @@
 # The main demo (tools/demo.sh): Mask R-CNN whose backbone is a tiny NAT-style hierarchy (the conv
 # stem and conv downsamplers of SeTformer, one block per stage and two in stage 3, widths
 # 32/64/128/256) with PolaFormer's polarity-aware linear attention in every block, trained from
-# scratch on the generated demo data for 300 iterations (about 5 CPU minutes). Any mixer fits any
+# scratch on the generated demo data for 300 iterations (2.5 minutes on 2 CPU cores). Any mixer fits any
 # skeleton; a conv stem learns from scratch within this budget, the patchify stems of Swin / PVT
 # need ImageNet weights (see the learning check in docs/fidelity.md, whose recipe this is: narrow
 # heads, AdamW lr 1e-3, warm-up then cosine decay, no gradient clipping).
