@@ -95,3 +95,34 @@ def test_cuda_kernel_is_selected_and_matches(monkeypatch, dtype):
         m.fused = False
         ref = m(x, (64, 64))
     assert calls and ((fast - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+
+def test_automatic_triton_failure_falls_back_to_the_torch_kernel(monkeypatch):
+    """A failing Triton call (compiler, driver) on the automatic path warns once, gives the
+    torch kernel's result, and is not tried again; fused='triton' raises it instead."""
+    import linattn_mm.models.attentions.pola as pola_mod
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise RuntimeError('PTX assembly failed')
+    monkeypatch.setattr(pt, 'polarity_attention_triton', broken)
+    monkeypatch.setattr(pola_mod, '_TRITON_FAILURE', [])
+    # CPU stand-in for "CUDA inference": select Triton whenever no failure has been seen
+    monkeypatch.setattr(PolaLinearAttention, '_use_triton', lambda self, q, k, v: self.fused ==
+                        'triton' or (self.fused is None and not pola_mod._TRITON_FAILURE))
+    torch.manual_seed(0)
+    m = PolaLinearAttention(16, 2, pretrain_hw=(4, 4)).eval()
+    x = torch.randn(1, 16, 16)
+    with torch.no_grad():
+        with pytest.warns(UserWarning, match='Triton kernel failed .RuntimeError: PTX assembly '
+                          'failed.; the torch kernel runs instead'):
+            got = m(x, (4, 4))
+        again = m(x, (4, 4))
+        m.fused = False
+        want = m(x, (4, 4))
+        assert len(calls) == 1 and torch.equal(got, again)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-7)
+        m.fused = 'triton'
+        with pytest.raises(RuntimeError, match='PTX assembly failed'):
+            m(x, (4, 4))

@@ -53,6 +53,8 @@ Precision: the feature map (temperature, ReLU, power) and the small matmuls run 
 autocast disabled (``p`` reaches 1 + alpha, so ``relu(q/s)^p`` overflows fp16 easily); the result
 is cast back to the dtype of the projections.
 """
+import warnings
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -63,6 +65,10 @@ from ..utils.grid import resize_grid_embed
 from .base import BaseTokenMixer, merge_heads, split_heads
 
 __all__ = ['PolaLinearAttention', 'polarity_attention', 'polarity_attention_fused']
+
+#: the first error of an automatically selected Triton call in this process (then the torch
+#: kernel is used instead: a failing compiler or driver never stops inference)
+_TRITON_FAILURE = []
 
 
 def polarity_attention(q, k, v, p, eps=1e-6):
@@ -147,7 +153,8 @@ class PolaLinearAttention(BaseTokenMixer):
         fused (bool | str | None): which core. ``None`` (default, automatic): the Triton kernel
             :func:`linattn_mm.ops.pola_triton.polarity_attention_triton` for CUDA inference (no
             gradient needed, float32 / bfloat16 / float16 inputs, Triton installed), else the
-            torch fast kernel. ``True``: always the torch fast kernel
+            torch fast kernel; should the Triton call fail (compiler, driver), a warning names
+            the error and the torch kernel runs from then on. ``True``: always the torch fast kernel
             :func:`linattn_mm.ops.pola.polarity_attention_fast` (one ``pow`` per tensor, one
             query-side GEMM for both streams and both normalisers; equal to the reference up to
             float rounding, gradients included). ``'triton'``: always the Triton kernel (an
@@ -365,7 +372,7 @@ class PolaLinearAttention(BaseTokenMixer):
                                    f'gradient); train with fused=None or True, or run under '
                                    f'torch.no_grad()')
             return True
-        if self.fused is not None or not q.is_cuda or grad:
+        if self.fused is not None or not q.is_cuda or grad or _TRITON_FAILURE:
             return False
         ops = self._triton()
         return ops.triton_available(q) and all(t.dtype in ops.TRITON_DTYPES for t in (q, k, v))
@@ -378,12 +385,19 @@ class PolaLinearAttention(BaseTokenMixer):
         if self._use_triton(q, k, v):  # reads the inputs in their own dtype, float32 inside
             h = self.num_heads
             p, inv_s = self._coefficients(torch.float32)
-            if k_bias is not None:
-                k_bias = split_heads(k_bias, h)
-            out = self._triton().polarity_attention_triton(
-                split_heads(q, h), split_heads(k, h), split_heads(v, h), p, self.eps,
-                inv_scale=inv_s, k_bias=k_bias, out_dtype=out_dtype)
-            return merge_heads(out)
+            try:
+                out = self._triton().polarity_attention_triton(
+                    split_heads(q, h), split_heads(k, h), split_heads(v, h), p, self.eps,
+                    inv_scale=inv_s, k_bias=None if k_bias is None else split_heads(k_bias, h),
+                    out_dtype=out_dtype)
+                return merge_heads(out)
+            except Exception as e:  # automatic choice only: the torch kernel takes over
+                if self.fused == 'triton':
+                    raise
+                _TRITON_FAILURE.append(f'{type(e).__name__}: {e}')
+                warnings.warn(f'{type(self).__name__}: the Triton kernel failed '
+                              f'({_TRITON_FAILURE[0][:500]}); the torch kernel runs instead for '
+                              f"the rest of this process (fused='triton' raises the error)")
         work = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
         work = torch.promote_types(work, torch.float32)  # fp16/bf16 -> fp32; fp64 stays
         with torch.autocast(device_type=q.device.type, enabled=False):
