@@ -27,12 +27,38 @@ from concurrent.futures import ThreadPoolExecutor
 
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 
+# ``--skeleton own``: each family in the skeleton of its own demo config. family -> (config
+# folder, model name in the config file names, the softmax run it is compared with). The skeletons
+# are those with a normalised output per stage (Swin, and the native NaLaFormer / SeTformer
+# hierarchies): PVT v1 returns its stage maps without a norm (as the official detection code), and
+# trained from scratch with the norm-free FPN on top its last-stage activations grow without bound
+# within ~100 steps (with ImageNet weights, as the PVT configs are meant to be used, they do not).
+# The patchify stems of Swin and NaLaFormer learn far more slowly from scratch than the conv stem,
+# which is why ``nat`` is the default.
+FAMILIES = {
+    'softmax': ('swin', 'swin-t', None),
+    'polaformer': ('polaformer', 'pola-swin-t', 'softmax'),
+    'nalaformer': ('nalaformer', 'nalaformer-t', 'nalaformer-softmax'),
+    'padre': ('padre', 'padre-swin-t', 'softmax'),
+    'poly': ('poly', 'poly-swin-t', 'softmax'),
+    'setformer': ('setformer', 'setformer-t', 'setformer-softmax'),
+}
+#: the demo config of each task, by config folder and model name
+DEMO_CONFIG = dict(det='configs/{}/mask-rcnn_{}_fpn_1x_coco_demo.py',
+                   seg='configs/{}/upernet_{}_8xb2-160k_ade20k-512x512_demo.py')
+
+
+def demo_config(task, family):
+    """The ``task`` demo config of ``family``'s own skeleton."""
+    folder, model, _ = FAMILIES[family]
+    return DEMO_CONFIG[task].format(folder, model)
+
+
 # The default check (``--skeleton nat``) puts every family's token mixer into one skeleton: the
 # NAT-style hierarchy of SeTformer (conv stem, conv downsamplers, a LayerNorm on every output), next
 # to the same skeleton with global softmax attention. Any mixer fits any skeleton, so the table
 # compares the mixers alone. Mixer settings are those of the family's Swin / native configs.
-NAT = dict(det='configs/setformer/mask-rcnn_setformer-t_fpn_1x_coco_demo.py',
-           seg='configs/setformer/upernet_setformer-t_8xb2-160k_ade20k-512x512_demo.py')
+NAT = {task: demo_config(task, 'setformer') for task in DEMO_CONFIG}
 SKELETONS = ('nat', 'own')
 MIXERS = {
     'softmax': dict(type='GlobalSoftmaxAttention'),
@@ -42,35 +68,6 @@ MIXERS = {
     'poly': dict(type='PolySelfAttention'),
     # the COCO / ADE20K settings of the SeTformer configs with the demo's 64 references
     'setformer': dict(type='SeTAttention', num_refs=64, eps=0.3, tau=0.8),
-}
-
-# ``--skeleton own``: each family in the skeleton of its own demo config. family -> (demo config,
-# the softmax run it is compared with). The skeletons are those with a normalised output per stage
-# (Swin, and the native NaLaFormer / SeTformer hierarchies): PVT v1 returns its stage maps without
-# a norm (as the official detection code), and trained from scratch with the norm-free FPN on top
-# its last-stage activations grow without bound within ~100 steps (with ImageNet weights, as the
-# PVT configs are meant to be used, they do not). The patchify stems of Swin and NaLaFormer learn
-# far more slowly from scratch than the conv stem, which is why ``nat`` is the default.
-DET = {
-    'softmax': ('configs/swin/mask-rcnn_swin-t_fpn_1x_coco_demo.py', None),
-    'polaformer': ('configs/polaformer/mask-rcnn_pola-swin-t_fpn_1x_coco_demo.py', 'softmax'),
-    'nalaformer': ('configs/nalaformer/mask-rcnn_nalaformer-t_fpn_1x_coco_demo.py',
-                   'nalaformer-softmax'),
-    'padre': ('configs/padre/mask-rcnn_padre-swin-t_fpn_1x_coco_demo.py', 'softmax'),
-    'poly': ('configs/poly/mask-rcnn_poly-swin-t_fpn_1x_coco_demo.py', 'softmax'),
-    'setformer': ('configs/setformer/mask-rcnn_setformer-t_fpn_1x_coco_demo.py',
-                  'setformer-softmax'),
-}
-SEG = {
-    'softmax': ('configs/swin/upernet_swin-t_8xb2-160k_ade20k-512x512_demo.py', None),
-    'polaformer': ('configs/polaformer/upernet_pola-swin-t_8xb2-160k_ade20k-512x512_demo.py',
-                   'softmax'),
-    'nalaformer': ('configs/nalaformer/upernet_nalaformer-t_8xb2-160k_ade20k-512x512_demo.py',
-                   'nalaformer-softmax'),
-    'padre': ('configs/padre/upernet_padre-swin-t_8xb2-160k_ade20k-512x512_demo.py', 'softmax'),
-    'poly': ('configs/poly/upernet_poly-swin-t_8xb2-160k_ade20k-512x512_demo.py', 'softmax'),
-    'setformer': ('configs/setformer/upernet_setformer-t_8xb2-160k_ade20k-512x512_demo.py',
-                  'setformer-softmax'),
 }
 # softmax skeletons that are a linear family's own demo config with the attention swapped: name ->
 # (family whose config is used, backbone overrides)
@@ -155,10 +152,9 @@ def runs_of(task, families, skeleton='nat'):
     counterparts (each counterpart once), softmax runs first. ``skeleton='nat'``: every family's
     mixer in the NAT skeleton next to its global-softmax form; ``'own'``: each family's own demo
     config next to the softmax form of that skeleton."""
-    table = DET if task == 'det' else SEG
-    unknown = [f for f in families if f not in table]
+    unknown = [f for f in families if f not in FAMILIES]
     if unknown:
-        raise SystemExit(f'unknown families {unknown}; choose from {sorted(table)}')
+        raise SystemExit(f'unknown families {unknown}; choose from {sorted(FAMILIES)}')
     if skeleton not in SKELETONS:
         raise SystemExit(f'unknown skeleton {skeleton!r}; choose from {SKELETONS}')
     if skeleton == 'nat':
@@ -167,16 +163,16 @@ def runs_of(task, families, skeleton='nat'):
                 for name in names]
     specs, seen = [], set()
     for fam in families:
-        ref = table[fam][1]
+        ref = FAMILIES[fam][2]
         for name in ([ref] if ref else []) + [fam]:
             if name in seen:
                 continue
             seen.add(name)
             if name in SOFTMAX_VARIANTS:
                 base, bb = SOFTMAX_VARIANTS[name]
-                specs.append((name, table[base][0], bb))
+                specs.append((name, demo_config(task, base), bb))
             else:
-                specs.append((name, table[name][0], None))
+                specs.append((name, demo_config(task, name), None))
     specs.sort(key=lambda s: 'softmax' not in s[0])
     return specs
 
@@ -407,7 +403,7 @@ def main(argv=None):
         {'det': 'coco', 'seg': 'ade'}[t] for t in args.task])
     jobs = []
     for task in args.task:
-        families = args.only or [f for f in (DET if task == 'det' else SEG) if f != 'softmax']
+        families = args.only or [f for f in FAMILIES if f != 'softmax']
         specs = runs_of(task, families, args.skeleton)
         jobs.append((specs[0], task, True))  # the untrained softmax model
         jobs += [(spec, task, False) for spec in specs]
