@@ -27,12 +27,9 @@ relative in float32, 1e-10 in float64, gradients included).
 """
 import torch
 
+from .common import grad_needed, sign_split
+
 __all__ = ['nala_attention_fast']
-
-
-def _grad_needed(*tensors):
-    return torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
 def _rot_rows(m):
@@ -43,7 +40,6 @@ def _rot_rows(m):
 
 def _query_features(q, power, grad):
     """``[relu(d(q))^p, relu(-d(q))^p]`` (..., N, 2d), ``p = power * (0.5 + tanh(||q||))``."""
-    d = q.shape[-1]
     qn = torch.linalg.vector_norm(q, dim=-1, keepdim=True)
     p = power * (0.5 + torch.tanh(qn))
     if grad:
@@ -52,24 +48,17 @@ def _query_features(q, power, grad):
         pos = torch.relu(torch.copysign(a, q))
         return torch.cat([pos, a - pos], dim=-1)
     # exp(p * (log|q| - log||q||)); q = 0 -> log 0 = -inf -> 0, as d(0)^p = 0
-    a = q.abs().log_().sub_(qn.clamp_min(1e-12).log_()).mul_(p).exp_().copysign_(q)
-    out = torch.empty(*a.shape[:-1], 2 * d, dtype=a.dtype, device=a.device)
-    pos = torch.clamp_min(a, 0, out=out[..., :d])
-    torch.sub(pos, a, out=out[..., d:])  # relu(c) - c == relu(-c), exactly
-    return out
+    a = q.abs().log_().sub_(qn.clamp_min(1e-12).log_()).mul_(p).exp_()
+    return sign_split(a.copysign_(q))
 
 
 def _key_features(k, power, grad):
     """``[relu(k^lam), relu(-k^lam)]`` (..., n, 2d), the sign of k kept in ``k^lam``."""
-    d = k.shape[-1]
     c = k * k * k if power == 3 else k.abs().pow(power) * k.sign()
     if grad:
         pos = torch.relu(c)
         return torch.cat([pos, pos - c], dim=-1)
-    out = torch.empty(*c.shape[:-1], 2 * d, dtype=c.dtype, device=c.device)
-    pos = torch.clamp_min(c, 0, out=out[..., :d])
-    torch.sub(pos, c, out=out[..., d:])
-    return out
+    return sign_split(c)
 
 
 def _with_rope(f, sin, cos, grad):
@@ -100,7 +89,7 @@ def nala_attention_fast(q, k, v, power=3., eps=1e-6, sin=None, cos=None):
         Tensor: (B, h, N, d): ``R(phi_q) (R(phi_k)^T v) / N / (phi_q . mean(phi_k) + eps)``; in
         inference a view of a (B, N, h, d) buffer.
     """
-    grad = _grad_needed(q, k, v, sin, cos)
+    grad = grad_needed(q, k, v, sin, cos)
     n = k.shape[-2]
     fq = _query_features(q, power, grad)
     fk = _key_features(k, power, grad)

@@ -32,12 +32,9 @@ rounding (tests: 1e-5 relative in float32, 1e-10 in float64, gradients included)
 """
 import torch
 
+from .common import grad_needed, sign_split
+
 __all__ = ['polarity_features', 'polarity_attention_fast']
-
-
-def _grad_needed(*tensors):
-    return torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
 def polarity_features(x, p, inv_scale=None, grad=None, bias=None):
@@ -55,8 +52,7 @@ def polarity_features(x, p, inv_scale=None, grad=None, bias=None):
         Tensor: (..., L, 2d), contiguous.
     """
     if grad is None:
-        grad = _grad_needed(x, p, inv_scale, bias)
-    d = x.shape[-1]
+        grad = grad_needed(x, p, inv_scale, bias)
     if grad:
         if bias is not None:
             x = x + bias
@@ -81,11 +77,7 @@ def polarity_features(x, p, inv_scale=None, grad=None, bias=None):
     # from pow. Inference only: the gradient of this form is NaN at c == 0.
     a = c.abs().log_().mul_(p).exp_()
     a.copysign_(c)  # signed |x/s|^p (CPU copysign is slow on strided operands: keep contiguous)
-    out = torch.empty(*shape[:-1], 2 * d, dtype=x.dtype, device=x.device)
-    pos, neg = out[..., :d], out[..., d:]
-    torch.clamp_min(a, 0, out=pos)
-    torch.sub(pos, a, out=neg)  # relu(c) - c == relu(-c), exactly
-    return out
+    return sign_split(a)
 
 
 def _pos_neg_nograd(x, p, inv_scale=None, bias=None):
@@ -163,7 +155,7 @@ def polarity_attention_fast(q, k, v, p, eps=1e-6, inv_scale=None, k_bias=None):
         opposite-signed one, as in the reference. In inference it is a (B, h, N, d) view of a
         (B, N, h, d) buffer (``transpose(1, 2).reshape(B, N, h*d)`` is then free).
     """
-    if not _grad_needed(q, k, v, p, inv_scale, k_bias) and q.dim() == 4:
+    if not grad_needed(q, k, v, p, inv_scale, k_bias) and q.dim() == 4:
         return _fast_nograd(q, k, v, p, eps, inv_scale, k_bias)
     n = k.shape[-2]
     d = q.shape[-1]
