@@ -10,8 +10,8 @@ heads, AdamW, warm-up then cosine decay, ``--iters`` iterations, seed 0, random 
 followed by the evaluation on the demo validation split. By default (``--skeleton nat``) every
 family's token mixer goes into the same NAT-style skeleton (SeTformer's conv-stem hierarchy) next to
 global softmax attention in it; ``--skeleton own`` trains each family's own demo config instead.
-The recipe is the same for every run, so the table compares the token mixers, not the schedules. The untrained row is the
-softmax model evaluated before its first step. Writes the results between the ``learning-check``
+The recipe is the same for every run, so the table compares the token mixers, not the schedules.
+The untrained row is the softmax model evaluated before its first step. Writes the results between the ``learning-check``
 markers of ``--out`` (``docs/fidelity.md``), a loss-curve PNG and a JSON file. This is a
 benchmark (minutes per run on a CPU); the tests run it with a few iterations.
 """

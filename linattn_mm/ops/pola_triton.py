@@ -13,8 +13,8 @@ Same maths as :func:`linattn_mm.ops.pola.polarity_attention_fast` (and the refer
    (``q_opp @ X == q_sim @ swap(X)``, see :mod:`linattn_mm.ops.pola`).
 2. **Queries** (grid: batch·heads × query blocks). Each program reads a block of ``q``, makes
    ``q+``, ``q-`` the same way, computes the numerators ``q+ W+ + q- W-`` and the two
-   denominators (same-signed ``q+·k̄+ + q-·k̄-``, opposite ``q+·k̄- + q-·k̄+``, plus ``eps``) and writes
-   the normalised result straight into a ``(B, N, h, d)`` buffer (merging the heads is free).
+   denominators (same-signed ``q+·k̄+ + q-·k̄-``, opposite ``q+·k̄- + q-·k̄+``, plus ``eps``) and
+   writes the normalised result straight into a ``(B, N, h, d)`` buffer (merging the heads is free).
 
 Inputs may be float32, bfloat16 or float16 (read as they are; every feature, product and sum is
 float32; the output has ``out_dtype``). The matmuls use ``input_precision='ieee'`` (no TF32): they

@@ -164,10 +164,9 @@ class SeTformer(LinAttnBackbone):
     default_attn_cfg = dict(type='SeTAttention', num_refs=500, eps=0.1, tau=0.5)
 
     def __init__(self, arch='t', in_channels=3, pretrain_img_size=224, attn_cfg=None,
-                 out_indices=(0, 1, 2, 3),
-                 qkv_bias=True, drop_rate=0., drop_path_rate=None, layer_scale_init_value=None,
-                 with_cp=False, frozen_stages=-1, norm_eval=False, pretrained=None,
-                 init_cfg=None):
+                 out_indices=(0, 1, 2, 3), qkv_bias=True, drop_rate=0., drop_path_rate=None,
+                 layer_scale_init_value=None, with_cp=False, frozen_stages=-1, norm_eval=False,
+                 pretrained=None, init_cfg=None):
         super().__init__(init_cfg, pretrained, frozen_stages, norm_eval)
         name = type(self).__name__
         a = resolve_arch(name, self.arch_zoo, arch, _ARCH_KEYS)
