@@ -37,6 +37,36 @@ def fast_config_text():
     mm_config.FormatCode = orig
 
 
+CHECKPOINT_SUFFIXES = ('.pth', '.pt', '.safetensors')
+
+
+def drop_checkpoints(root):
+    """Delete checkpoint files under ``root`` (logs, configs and results stay); returns the
+    number of bytes freed."""
+    freed = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(CHECKPOINT_SUFFIXES):
+                path = osp.join(dirpath, name)
+                if osp.islink(path):
+                    os.unlink(path)
+                    continue
+                freed += osp.getsize(path)
+                os.remove(path)
+    return freed
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item):
+    """A test's checkpoints go when it ends, passed or failed: a failed run keeps its logs for
+    inspection, and a cascade of failures cannot fill the disk with checkpoints (pytest.ini
+    removes a passed test's whole tmp_path)."""
+    tmp = getattr(item, 'funcargs', {}).get('tmp_path')
+    if tmp is not None and osp.isdir(tmp):
+        drop_checkpoints(str(tmp))
+    return (yield)
+
+
 def run_tool(args, cwd=REPO, timeout=900):
     """Run a tool script in a subprocess; return its output (asserting success)."""
     env = dict(os.environ, PYTHONUNBUFFERED='1')
@@ -105,11 +135,29 @@ def short_run_options(cfg):
 _TOOLS = {}
 
 
+def reset_visualizers():
+    """Forget mmengine's process-wide visualizers. The stock configs name theirs 'visualizer', and
+    ``get_instance`` returns an existing instance with its old save_dir: a second in-process run
+    would write into the first run's (possibly deleted) work directory."""
+    from mmengine.visualization import Visualizer
+    todo = [Visualizer]
+    while todo:
+        cls = todo.pop()
+        cls._instance_dict.clear()
+        todo.extend(cls.__subclasses__())
+
+
 def tool_main(name):
+    """The ``main`` of tools/<name>.py, to run in this process as if it were a fresh one."""
     if name not in _TOOLS:
         _TOOLS[name] = runpy.run_path(osp.join(REPO, 'tools', f'{name}.py'),
                                       run_name=f'linattn_tool_{name}')['main']
-    return _TOOLS[name]
+    main = _TOOLS[name]
+
+    def fresh_main(*args, **kwargs):
+        reset_visualizers()
+        return main(*args, **kwargs)
+    return fresh_main
 
 
 def train_and_test_inprocess(config, work_dir):
