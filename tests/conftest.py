@@ -12,6 +12,23 @@ REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 CONFIGS = osp.join(REPO, 'configs')
 
 
+@pytest.fixture(scope='session', autouse=True)
+def session_tmpdir(tmp_path_factory):
+    """Temporary files of this process and of the tools it starts (torchrun's rendezvous
+    directories, pip builds) go under pytest's base directory, which pytest.ini's retention
+    policy removes, instead of accumulating in the system's /tmp."""
+    import tempfile
+    path = str(tmp_path_factory.mktemp('tmpdir'))
+    saved = os.environ.get('TMPDIR'), tempfile.tempdir
+    os.environ['TMPDIR'], tempfile.tempdir = path, path
+    yield path
+    if saved[0] is None:
+        os.environ.pop('TMPDIR', None)
+    else:
+        os.environ['TMPDIR'] = saved[0]
+    tempfile.tempdir = saved[1]
+
+
 @pytest.fixture(scope='session')
 def demo_data():
     """The demo data under the repository's data/demo (the demo configs' standard data root).

@@ -29,3 +29,15 @@ def test_pytest_ini_keeps_only_failed_tests_directories():
     ini.read(osp.join(REPO, 'pytest.ini'))
     assert ini['pytest']['tmp_path_retention_policy'] == 'failed'
     assert int(ini['pytest']['tmp_path_retention_count']) == 1
+
+
+def test_temporary_files_go_under_pytest_base_directory(session_tmpdir, tmp_path_factory):
+    import subprocess
+    import sys
+    import tempfile
+    base = str(tmp_path_factory.getbasetemp())
+    assert session_tmpdir.startswith(base)
+    assert tempfile.gettempdir() == session_tmpdir
+    out = subprocess.run([sys.executable, '-c', 'import tempfile; print(tempfile.gettempdir())'],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == session_tmpdir
