@@ -106,7 +106,7 @@ def test_module_fast_equals_reference(dtype):
 def test_paper_kernel_and_bad_option():
     m = NormAwareLinearAttention(32, 2, kernel='paper')
     assert not m.use_fast_path  # the cos/sin kernel has only the reference form
-    with pytest.raises(ValueError, match='fused must be None, True or False'):
+    with pytest.raises(ValueError, match="fused must be None, True, False or 'triton'"):
         NormAwareLinearAttention(32, 2, fused='yes')
 
 

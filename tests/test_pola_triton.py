@@ -22,8 +22,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 @pytest.fixture(scope='module')
 def interpreted():
     env = dict(os.environ, TRITON_INTERPRET='1', PYTHONWARNINGS='ignore')
-    out = subprocess.run([sys.executable, os.path.join(HERE, 'triton_interpret_checks.py')],
-                         env=env, capture_output=True, text=True, timeout=600,
+    out = subprocess.run([sys.executable, os.path.join(HERE, 'triton_interpret_checks.py'),
+                          'pola'], env=env, capture_output=True, text=True, timeout=600,
                          cwd=os.path.dirname(HERE))
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)

@@ -1,13 +1,17 @@
-"""Run by tests/test_pola_triton.py in a subprocess with ``TRITON_INTERPRET=1`` (Triton's
-interpreter runs the kernels on CPU tensors; the variable must be set before the kernels are
-defined). Prints one JSON object: case name -> relative error against the float64 reference."""
+"""Run by tests/test_pola_triton.py and tests/test_nala_triton.py in a subprocess with
+``TRITON_INTERPRET=1`` (Triton's interpreter runs the kernels on CPU tensors; the variable must be
+set before the kernels are defined). Arguments: ``pola`` and / or ``nala`` (default both). Prints
+one JSON object: case name -> relative error against the float64 reference."""
 import json
 import sys
 
 import torch
 
+from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d, apply_rope
 from linattn_mm.models.attentions.pola import PolaLinearAttention, polarity_attention
 from linattn_mm.models.backbones import LinAttnSwin
+from linattn_mm.models.backbones.nalaformer import NaLaFormer
+from linattn_mm.ops.nala_triton import nala_attention_triton
 from linattn_mm.ops.pola_triton import polarity_attention_triton
 
 
@@ -91,8 +95,84 @@ def run_modules(res):
     res['Pola-Swin backbone'] = max(rel(a, b) for a, b in zip(got, want))
 
 
+def nala_reference(q, k, v, lam, eps, sin=None, cos=None):
+    """NaLa official kernel from the formulas, float64: d(q) = q/||q||, p = lam (0.5 +
+    tanh||q||), phi_q = [relu(d(q))^p, relu(-d(q))^p], phi_k = [relu(k^lam), relu(-k^lam)]
+    (sign kept), z from the unrotated maps, RoPE on both numerator maps, kv / N."""
+    q, k, v = q.double(), k.double(), v.double()
+    qn = torch.linalg.vector_norm(q, dim=-1, keepdim=True)
+    dq = q / qn.clamp_min(1e-12)
+    p = lam * (0.5 + torch.tanh(qn))
+    kk = k.abs() ** lam * k.sign()
+    phi_q = torch.cat([torch.relu(dq) ** p, torch.relu(-dq) ** p], -1)
+    phi_k = torch.cat([torch.relu(kk), torch.relu(-kk)], -1)
+    z = 1 / (phi_q @ phi_k.mean(-2, keepdim=True).transpose(-2, -1) + eps)
+    if sin is not None:
+        phi_q, phi_k = apply_rope(phi_q, sin.double(), cos.double()), \
+            apply_rope(phi_k, sin.double(), cos.double())
+    n = k.shape[-2]
+    return phi_q @ (phi_k.transpose(-2, -1) @ v / n) * z
+
+
+def nala_cases():
+    """(name, B, h, (H, W), d, RoPE, lam, input dtype)."""
+    return [('nala fp32 d32 rope', 2, 3, (7, 10), 32, True, 3., torch.float32),
+            ('nala fp32 d16 no rope', 1, 2, (5, 7), 16, False, 3., torch.float32),
+            ('nala fp32 d12 rope (padded head dim)', 1, 2, (6, 6), 12, True, 3., torch.float32),
+            ('nala fp32 lam 2 rope', 1, 1, (8, 9), 8, True, 2., torch.float32),
+            ('nala fp32 d8 several key chunks', 1, 1, (15, 20), 8, True, 3., torch.float32),
+            ('nala bf16 d16 rope', 2, 2, (7, 7), 16, True, 3., torch.bfloat16),
+            ('nala fp16 d16 rope', 1, 2, (7, 7), 16, True, 3., torch.float16)]
+
+
+def run_nala(res):
+    for name, B, h, hw, d, rope, lam, dt in nala_cases():
+        g = torch.Generator().manual_seed(len(res))
+        N = hw[0] * hw[1]
+        q = torch.randn(B, N, h * 4 * d, generator=g)[..., 1::4]  # strided, like an unbind view
+        q = q.reshape(B, N, h, d).transpose(1, 2)
+        k, v = (torch.randn(B, h, N, d, generator=g) for _ in range(2))
+        k = 0.7 * k
+        q, k, v = q.to(dt), k.to(dt), v.to(dt)
+        sin, cos = RoPE2d(d)(hw) if rope else (None, None)
+        out = nala_attention_triton(q, k, v, lam, 1e-6, sin, cos, out_dtype=torch.float32)
+        assert out.shape == (B, h, N, d) and out.transpose(1, 2).is_contiguous()
+        res[name] = rel(out, nala_reference(q, k, v, lam, 1e-6, sin, cos))
+    for i, (name, kw, hw) in enumerate([('nala module rope', {}, (11, 13)),
+                                        ('nala module no rope, lam 2',
+                                         dict(use_rope=False, power=2.), (6, 9))]):
+        torch.manual_seed(i)
+        m = NormAwareLinearAttention(32, 2, **kw).eval()
+        x = torch.randn(2, hw[0] * hw[1], 32)
+        with torch.no_grad():
+            m.fused = False
+            want = m.double()(x.double(), hw)
+            m.float().fused = 'triton'
+            got = m(x, hw)
+        res[name] = rel(got, want)
+    # the native NaLaFormer hierarchy with NaLa in every stage, every mixer on the Triton core
+    torch.manual_seed(0)
+    net = NaLaFormer(arch=dict(embed_dims=[16, 32, 32, 32], depths=[1, 1, 1, 1],
+                               num_heads=[1, 2, 2, 2], mlp_ratios=[2, 2, 2, 2]),
+                     attn_types=('nala', ) * 4).eval()
+    x = torch.randn(1, 3, 64, 96)
+    mixers = [m for m in net.modules() if isinstance(m, NormAwareLinearAttention)]
+    with torch.no_grad():
+        for m in mixers:
+            m.fused = False
+        want = net.double()(x.double())
+        for m in mixers:
+            m.fused = 'triton'
+        got = net.float()(x)
+    res['NaLaFormer backbone'] = max(rel(a, b) for a, b in zip(got, want))
+
+
 if __name__ == '__main__':
     results = {}
-    run_core(results)
-    run_modules(results)
+    which = sys.argv[1:] or ['pola', 'nala']
+    if 'pola' in which:
+        run_core(results)
+        run_modules(results)
+    if 'nala' in which:
+        run_nala(results)
     json.dump(results, sys.stdout)

@@ -1,7 +1,23 @@
 """Pieces shared by the torch kernels of :mod:`linattn_mm.ops`."""
+import warnings
+
 import torch
 
-__all__ = ['grad_needed', 'sign_split']
+__all__ = ['grad_needed', 'sign_split', 'TRITON_FAILURE', 'note_triton_failure']
+
+#: the first error of an automatically selected Triton call in this process; from then on the
+#: modules run their torch kernels (a failing compiler or driver never stops inference)
+TRITON_FAILURE = []
+
+
+def note_triton_failure(owner, exc, failures=None):
+    """Record ``exc`` of an automatically selected Triton call in ``failures`` (default
+    :data:`TRITON_FAILURE`) and warn that the torch kernel takes over."""
+    failures = TRITON_FAILURE if failures is None else failures
+    failures.append(f'{type(exc).__name__}: {exc}')
+    warnings.warn(f'{owner}: the Triton kernel failed ({failures[0][:500]}); the torch kernel '
+                  f"runs instead for the rest of this process (fused='triton' raises the error)",
+                  stacklevel=3)
 
 
 def grad_needed(*tensors):

@@ -35,7 +35,7 @@ try:  # Triton ships with the CUDA builds of torch; the torch paths never need i
 except Exception:  # pragma: no cover - not installed, or installed without its libraries
     triton = None
 
-__all__ = ['polarity_attention_triton', 'triton_available', 'TRITON_DTYPES']
+__all__ = ['polarity_attention_triton', 'triton_available', 'check_qkv', 'TRITON_DTYPES']
 
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -148,6 +148,29 @@ def _per_head(t, h, d, name):
                          f'broadcast to (1, {h}, 1, {d})') from e
 
 
+def check_qkv(fn, q, k, v):
+    """Validate per-head ``q`` (B, h, N, d), ``k``, ``v`` (B, h, n, d) for a Triton core named
+    ``fn``: Triton present, shapes, dtypes and device. Returns ``B, h, N, n, d``."""
+    if triton is None:
+        raise RuntimeError(f'{fn} needs Triton (installed with the CUDA builds of torch)')
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f'{fn}: q, k, v must be (B, h, N, d), got '
+                         f'{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}')
+    B, h, N, d = q.shape
+    n = k.shape[2]
+    if k.shape != (B, h, n, d) or v.shape != (B, h, n, d):
+        raise ValueError(f'{fn}: k and v must be (B, h, n, d) = (B={B}, h={h}, n, d={d}), got '
+                         f'{tuple(k.shape)} and {tuple(v.shape)}')
+    for name, t in (('q', q), ('k', k), ('v', v)):
+        if t.dtype not in TRITON_DTYPES:
+            raise TypeError(f'{fn}: {name} has dtype {t.dtype}; supported: '
+                            f'{", ".join(str(x) for x in TRITON_DTYPES)}')
+        if not triton_available(t):
+            raise RuntimeError(f'{fn}: {name} is on {t.device}; the kernel runs on CUDA tensors '
+                               f'(or on CPU with TRITON_INTERPRET=1)')
+    return B, h, N, n, d
+
+
 def _num_splits(n, bh, block_n, device):
     """Key chunks per (batch, head): enough programs to fill the GPU twice over."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if \
@@ -174,24 +197,7 @@ def polarity_attention_triton(q, k, v, p, eps=1e-6, inv_scale=None, k_bias=None,
     Returns:
         Tensor: (B, h, N, d), a view of a (B, N, h, d) buffer.
     """
-    if triton is None:
-        raise RuntimeError('polarity_attention_triton needs Triton (installed with the CUDA '
-                           'builds of torch)')
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f'polarity_attention_triton: q, k, v must be (B, h, N, d), got '
-                         f'{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}')
-    B, h, N, d = q.shape
-    n = k.shape[2]
-    if k.shape != (B, h, n, d) or v.shape != (B, h, n, d):
-        raise ValueError(f'polarity_attention_triton: k and v must be (B, h, n, d) = '
-                         f'(B={B}, h={h}, n, d={d}), got {tuple(k.shape)} and {tuple(v.shape)}')
-    for name, t in (('q', q), ('k', k), ('v', v)):
-        if t.dtype not in TRITON_DTYPES:
-            raise TypeError(f'polarity_attention_triton: {name} has dtype {t.dtype}; supported: '
-                            f'{", ".join(str(x) for x in TRITON_DTYPES)}')
-        if not triton_available(t):
-            raise RuntimeError(f'polarity_attention_triton: {name} is on {t.device}; the kernel '
-                               f'runs on CUDA tensors (or on CPU with TRITON_INTERPRET=1)')
+    B, h, N, n, d = check_qkv('polarity_attention_triton', q, k, v)
     dev = q.device
     DP = max(16, triton.next_power_of_2(d))
     p = _per_head(p, h, d, 'p').to(dev)

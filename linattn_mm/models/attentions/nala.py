@@ -40,6 +40,10 @@ Fast path: by default (``fused=None``) the official kernel runs
 :func:`linattn_mm.ops.nala.nala_attention_fast` (one ``exp`` per query element for the power, the
 RoPE rotation folded into the small (4d, d) matrices, ``1/N`` folded); it equals the reference
 (``fused=False``, the official order of operations) up to float rounding, gradients included.
+On CUDA in inference (no gradient needed) ``fused=None`` runs the Triton kernel
+:func:`linattn_mm.ops.nala_triton.nala_attention_triton` instead (features in registers, float32
+accumulation, output written once); if that call fails, a warning names the error and the torch
+kernel runs for the rest of the process.
 
 Precision: everything between the ``qkvg`` projection and ``out_proj`` (LePE, kernel, matmuls,
 LayerNorm and gate) runs in float32 with autocast disabled, as the official code (``k^3`` and the
@@ -51,6 +55,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from linattn_mm.ops.common import TRITON_FAILURE, note_triton_failure
 from linattn_mm.ops.nala import nala_attention_fast
 from linattn_mm.registry import ATTENTIONS
 from .base import BaseTokenMixer
@@ -216,12 +221,15 @@ class NormAwareLinearAttention(_NaLaBlockMixin):
         eps (float): added to the denominator. Defaults to 1e-6.
         qkv_bias (bool): bias of the ``qkvg`` projection. Defaults to True.
         proj_drop (float): dropout after ``out_proj``. Defaults to 0.
-        fused (bool | None): which core for ``kernel='official'``. ``None`` (default) or
-            ``True``: the fast kernel :func:`linattn_mm.ops.nala.nala_attention_fast` (one
-            ``exp`` per query element for the power, RoPE folded into the small matrices; equal
-            to the reference up to float rounding, gradients included). ``False``: the
-            reference (``feature_maps`` + ``apply_rope`` in the official order of operations).
-            ``kernel='paper'`` always runs the reference.
+        fused (bool | str | None): which core for ``kernel='official'``. ``None`` (default):
+            automatic, the Triton kernel for CUDA inference, else the torch fast kernel.
+            ``True``: the torch fast kernel :func:`linattn_mm.ops.nala.nala_attention_fast`
+            (one ``exp`` per query element for the power, RoPE folded into the small matrices;
+            equal to the reference up to float rounding, gradients included). ``'triton'``:
+            the Triton kernel always (forward only; CUDA, or CPU under
+            ``TRITON_INTERPRET=1``). ``False``: the reference (``feature_maps`` +
+            ``apply_rope`` in the official order of operations). ``kernel='paper'`` always
+            runs the reference.
         init_cfg (dict, optional): mmengine init config.
 
     ``forward(x, hw_shape, rope=None)`` takes tokens ``(B, H*W, C)``; ``rope`` optionally passes a
@@ -236,8 +244,11 @@ class NormAwareLinearAttention(_NaLaBlockMixin):
             raise ValueError(f"kernel must be 'official' or 'paper', got {kernel!r}")
         if power <= 0:
             raise ValueError(f'power must be positive, got {power}')
-        if fused not in (None, True, False):
-            raise ValueError(f'fused must be None, True or False, got {fused!r}')
+        if fused not in (None, True, False, 'triton'):
+            raise ValueError(f"fused must be None, True, False or 'triton', got {fused!r}")
+        if fused == 'triton' and kernel != 'official':
+            raise ValueError(f"fused='triton' runs the official kernel; kernel={kernel!r} has no "
+                             f'Triton core')
         self.kernel = kernel
         self.power = float(power)
         self.eps = float(eps)
@@ -287,7 +298,9 @@ class NormAwareLinearAttention(_NaLaBlockMixin):
         with _no_autocast(x.device):
             if self.use_fast_path:
                 sin, cos = self._rope(hw_shape, rope, q.dtype, q.device)
-                out = nala_attention_fast(q, k, v, self.power, self.eps, sin, cos)
+                out = self._triton_core(q, k, v, sin, cos)
+                if out is None:
+                    out = nala_attention_fast(q, k, v, self.power, self.eps, sin, cos)
             else:
                 N = q.shape[-2]
                 phi_q, phi_k, z = self._numerator_features(q, k, hw_shape, rope)
@@ -295,6 +308,35 @@ class NormAwareLinearAttention(_NaLaBlockMixin):
                 out = (phi_q @ kv) * z
             y = self._gate(out, lepe, g)
         return self._output(y)
+
+    def _use_triton(self, q, k, v):
+        """Whether this call runs the Triton core (see ``fused``)."""
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        if self.fused == 'triton':
+            if grad:
+                raise RuntimeError(f"{type(self).__name__}: fused='triton' is forward-only (no "
+                                   f'gradient); train with fused=None or True, or run under '
+                                   f'torch.no_grad()')
+            return True
+        if self.fused is not None or not q.is_cuda or grad or TRITON_FAILURE:
+            return False
+        from linattn_mm.ops import nala_triton
+        return nala_triton.triton_available(q) and all(
+            t.dtype in nala_triton.TRITON_DTYPES for t in (q, k, v))
+
+    def _triton_core(self, q, k, v, sin, cos):
+        """The Triton core's output, or None when the torch kernel is to run (not selected, or
+        an automatically selected call failed: warned once, see ``note_triton_failure``)."""
+        if not self._use_triton(q, k, v):
+            return None
+        from linattn_mm.ops import nala_triton
+        try:
+            return nala_triton.nala_attention_triton(q, k, v, self.power, self.eps, sin, cos)
+        except Exception as e:
+            if self.fused == 'triton':
+                raise
+            note_triton_failure(type(self).__name__, e)
+            return None
 
     has_attention_weights = True
 

@@ -53,12 +53,12 @@ Precision: the feature map (temperature, ReLU, power) and the small matmuls run 
 autocast disabled (``p`` reaches 1 + alpha, so ``relu(q/s)^p`` overflows fp16 easily); the result
 is cast back to the dtype of the projections.
 """
-import warnings
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from linattn_mm.ops.common import TRITON_FAILURE, note_triton_failure
 from linattn_mm.ops.pola import polarity_attention_fast
 from linattn_mm.registry import ATTENTIONS
 from ..utils.grid import resize_grid_embed
@@ -66,9 +66,8 @@ from .base import BaseTokenMixer, merge_heads, split_heads
 
 __all__ = ['PolaLinearAttention', 'polarity_attention', 'polarity_attention_fused']
 
-#: the first error of an automatically selected Triton call in this process (then the torch
-#: kernel is used instead: a failing compiler or driver never stops inference)
-_TRITON_FAILURE = []
+#: failures of automatically selected Triton calls, shared by every module of the process
+_TRITON_FAILURE = TRITON_FAILURE
 
 
 def polarity_attention(q, k, v, p, eps=1e-6):
@@ -394,10 +393,7 @@ class PolaLinearAttention(BaseTokenMixer):
             except Exception as e:  # automatic choice only: the torch kernel takes over
                 if self.fused == 'triton':
                     raise
-                _TRITON_FAILURE.append(f'{type(e).__name__}: {e}')
-                warnings.warn(f'{type(self).__name__}: the Triton kernel failed '
-                              f'({_TRITON_FAILURE[0][:500]}); the torch kernel runs instead for '
-                              f"the rest of this process (fused='triton' raises the error)")
+                note_triton_failure(type(self).__name__, e, _TRITON_FAILURE)
         work = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
         work = torch.promote_types(work, torch.float32)  # fp16/bf16 -> fp32; fp64 stays
         with torch.autocast(device_type=q.device.type, enabled=False):
