@@ -77,3 +77,16 @@ def test_attention_mode_nala_fast_vs_reference(tmp_path):
     assert res[0]['target'] == 'nala-attn-h2-d8'
     assert res[1]['max_abs_diff_vs_first_impl'] < 1e-5 * max(res[0]['max_abs_output'], 1e-3)
     assert 'speedup_vs_reference' in res[1]
+
+
+def test_core_mode_nala_torch_equals_reference():
+    res = TOOL['main'](['--mode', 'core', '--attn', 'nala', '--grid', '8x8', '--batch', '2',
+                        '--heads', '2', '--head-dims', '8', '--impls', 'reference', 'torch',
+                        '--compare', 'reference', '--warmup', '0', '--repeats', '2'])
+    assert [(r['target'], r['impl']) for r in res] == [('nala-core-h2-d8', 'reference'),
+                                                         ('nala-core-h2-d8', 'torch')]
+    # q, k, v, output (fp32) and the fp32 sin / cos tables once per batch item
+    assert res[0]['min_bytes'] == 4 * 2 * 2 * 64 * 8 * 4 + 2 * 2 * 64 * 8 * 4
+    assert res[1]['max_abs_diff_vs_first_impl'] < 1e-5 * res[0]['max_abs_output']
+    assert res[1]['max_abs_output'] > 0
+    assert 'speedup_vs_reference' in res[1]

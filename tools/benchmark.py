@@ -18,13 +18,15 @@ Options: ``--device cpu|cuda``, ``--dtype fp32|bf16|fp16`` (autocast), ``--batch
 ``--threads`` (CPU), ``--json FILE``, ``--plot FILE`` (log-log time and peak memory against
 pixels, with the fitted slope per target).
 
-Implementations of the Pola mixers (``--impls``, every target is run with each one, same weights,
-same inputs, and outputs are compared with the first):
+Implementations of the Pola and NaLa mixers (``--impls``, every target is run with each one,
+same weights, same inputs, and outputs are compared with the first):
 
-* ``fast``: the plugin's default (``PolaLinearAttention(fused=None)``: the Triton kernel
-  :mod:`linattn_mm.ops.pola_triton` in CUDA inference, else the torch kernel).
-* ``torch``: the torch fast kernel :mod:`linattn_mm.ops.pola` everywhere (``fused=True``).
-* ``triton``: the Triton kernel (``fused='triton'``; CUDA only).
+* ``fast``: the plugin's default (``fused=None``: the Triton kernels
+  :mod:`linattn_mm.ops.pola_triton` / :mod:`linattn_mm.ops.nala_triton` in CUDA inference, else
+  the torch kernels).
+* ``torch``: the torch fast kernels :mod:`linattn_mm.ops.pola` / :mod:`linattn_mm.ops.nala`
+  everywhere (``fused=True``).
+* ``triton``: the Triton kernels (``fused='triton'``; CUDA only).
 * ``reference``: the plugin's reference core (``fused=False``).
 * ``official``: a straightforward implementation of the official forward written in this file
   from the pseudo-code of the official code (spec ``polaformer.md`` §1.2: two relu-pow per tensor,
@@ -47,6 +49,8 @@ a position encoding as in the module (``--impls`` among ``triton``, ``torch``, `
 reports the bytes the core must move at least (read q, k, v and the position encoding once, write
 the output once) divided by the time: the achieved memory bandwidth. On CUDA this is also given as
 a fraction of the device's peak (``--peak-bw`` in GB/s, or known for H100 / H200).
+``--attn nala`` times the NaLa core instead (official kernel, ``lam = 3``, with the 2-D RoPE;
+``--impls`` among ``triton``, ``torch``, ``reference``).
 """
 import argparse
 import gc
@@ -63,7 +67,7 @@ import torch.nn.functional as F
 
 import linattn_mm  # noqa: F401
 from linattn_mm.flops import dummy_inputs
-from linattn_mm.models.attentions.nala import NormAwareLinearAttention
+from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d, apply_rope
 from linattn_mm.models.attentions.pola import PolaLinearAttention
 from linattn_mm.utils import PeakMemoryCounter, use_heap_allocator
 from linattn_mm.utils.progress import emit, progress_bar
@@ -189,7 +193,7 @@ def set_impl(model, impl):
         else:
             m.fused = FUSED[impl]
     for m in nala_modules(model):
-        m.fused = False if impl in ('reference', 'official') else None
+        m.fused = False if impl in ('reference', 'official') else FUSED[impl]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -374,7 +378,7 @@ def parse_args(argv=None):
     p.add_argument('--head-dims', type=int, default=32)
     p.add_argument('--layout', choices=['qkvg', 'qg_kv'], default='qkvg')
     p.add_argument('--attn', choices=['pola', 'nala'], default='pola',
-                   help='--mode attention: the mixer (NaLa: its fast and reference cores)')
+                   help='--mode attention and --mode core: the mixer or core (Pola or NaLa)')
     p.add_argument('--la-sr-ratio', type=int, default=1)
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--heap-malloc', action='store_true',
@@ -570,6 +574,28 @@ def main(argv=None):
 CORE_IMPLS = ('triton', 'torch', 'reference')
 
 
+def nala_core_function(impl, q, k, v, sin, cos, eps=1e-6):
+    """One call of the NaLa attention core (official kernel, lam = 3, 2-D RoPE) for ``impl``."""
+    from linattn_mm.ops import nala_attention_fast, nala_attention_triton
+    if impl == 'triton':
+        return lambda: nala_attention_triton(q, k, v, 3., eps, sin, cos)
+    work = torch.promote_types(q.dtype, torch.float32)
+    if impl == 'torch':
+        return lambda: nala_attention_fast(q.to(work), k.to(work), v.to(work), 3., eps, sin, cos)
+    if impl == 'reference':
+        m = NormAwareLinearAttention(q.shape[1] * q.shape[-1], q.shape[1], fused=False)
+
+        def reference():
+            qq, kk, vv = q.to(work), k.to(work), v.to(work)
+            phi_q, phi_k = m.feature_maps(qq, kk)
+            z = 1.0 / (phi_q @ phi_k.mean(dim=-2, keepdim=True).transpose(-2, -1) + eps)
+            phi_q, phi_k = apply_rope(phi_q, sin, cos), apply_rope(phi_k, sin, cos)
+            n = kk.shape[-2]
+            return (phi_q @ ((phi_k.transpose(-2, -1) * n ** -0.5) @ (vv * n ** -0.5))) * z
+        return reference
+    raise SystemExit(f'--mode core: unknown implementation {impl!r}; choose from {CORE_IMPLS}')
+
+
 def core_function(impl, q, k, v, p, inv_s, pe, eps=1e-6):
     """One call of the Pola attention core as the module makes it for ``impl``."""
     from linattn_mm.models.attentions.pola import polarity_attention
@@ -614,18 +640,26 @@ def run_core(args, device):
         q, k, v = (torch.randn(B, h, N, d, generator=g).to(device, dtype) for _ in range(3))
         p = (1 + 4 * torch.rand(1, h, 1, d, generator=g)).to(device)
         inv_s = (1 / (0.5 + torch.rand(1, h, 1, d, generator=g))).to(device)
-        pe = (0.1 * torch.randn(1, h, N, d, generator=g)).to(device)
-        # least traffic: q, k, v read and the output written once (input dtype), the float32
-        # position encoding read once per batch item
-        nbytes = 4 * B * h * N * d * q.element_size() + B * pe.numel() * pe.element_size()
-        variants = [(impl, lambda: None, core_function(impl, q, k, v, p, inv_s, pe))
-                    for impl in impls]
+        if args.attn == 'nala':
+            sin, cos = (t.to(device) for t in RoPE2d(d)((H, W)))
+            # least traffic: q, k, v read and the output written once, sin/cos once per batch item
+            nbytes = 4 * B * h * N * d * q.element_size() + B * 2 * sin.numel() * 4
+            variants = [(impl, lambda: None, nala_core_function(impl, q, k, v, sin, cos))
+                        for impl in impls]
+        else:
+            pe = (0.1 * torch.randn(1, h, N, d, generator=g)).to(device)
+            # least traffic: q, k, v read and the output written once (input dtype), the float32
+            # position encoding read once per batch item
+            nbytes = 4 * B * h * N * d * q.element_size() + B * pe.numel() * pe.element_size()
+            variants = [(impl, lambda: None, core_function(impl, q, k, v, p, inv_s, pe))
+                        for impl in impls]
         meas = measure_interleaved(variants, device, args.warmup, args.repeats, None)
         first = meas[impls[0]][2]
         for impl in impls:
             med, times, out, peak, how = meas[impl]
             gbs = nbytes / med / 1e9
-            r = dict(target=f'pola-core-h{h}-d{d}', impl=impl, size=[H, W], pixels=N, batch=B,
+            r = dict(target=f'{args.attn}-core-h{h}-d{d}', impl=impl, size=[H, W], pixels=N,
+                     batch=B,
                      dtype=args.dtype, latency_ms=med * 1e3, times_ms=[t * 1e3 for t in times],
                      tokens_per_s=B * N / med, peak_mem_mb=peak / 2**20, peak_mem_method=how,
                      min_bytes=nbytes, achieved_gb_s=gbs,
