@@ -217,6 +217,11 @@ TABLE = {
         Run('benchmark_core', '--device cpu --dtype fp32 --impls torch reference --compare '
             'reference --grid 8x8 --batch 1 (no GPU in CI; the Triton kernel itself is tested '
             'through the interpreter by tests/test_pola_triton.py)'),
+    'python tools/benchmark.py --mode core --attn nala --device cuda --dtype bf16 --grid 128x128 '
+    '256x256 --batch 8 --impls triton torch --compare torch':
+        Run('benchmark_nala_core', '--device cpu --dtype fp32 --impls torch reference --compare '
+            'reference --grid 8x8 --batch 1 (no GPU in CI; the Triton kernel itself is tested '
+            'through the interpreter by tests/test_nala_triton.py)'),
     # ---- docs/new_detector_config.md
     '.venv/bin/python tools/train.py configs/mine/atss_swin-t_fpn_1x_coco.py':
         Run('new_detector_config', 'run in tmp: configs/mine/atss_swin-t_fpn_1x_coco.py is the '
@@ -619,6 +624,18 @@ def case_benchmark_core(sh, tmp_path):
                                         '--compare': ['reference'], '--grid': ['8x8'],
                                         '--batch': ['1']}))
     assert re.search(r'^pola-core-h3-d32 torch\s+B1 8x8 fp32: +[\d.]+ ms .* MiB moved at least, '
+                     r'+[\d.]+ GB/s', out, re.M), out[-3000:]
+    assert re.search(r'^  torch vs reference: [\d.]+x$', out, re.M), out[-3000:]
+
+
+def case_benchmark_nala_core(sh, tmp_path):
+    cmd = ('python tools/benchmark.py --mode core --attn nala --device cuda --dtype bf16 --grid '
+           '128x128 256x256 --batch 8 --impls triton torch --compare torch')
+    out = sh(cmd, doc_argv(cmd, values={'--device': ['cpu'], '--dtype': ['fp32'],
+                                        '--impls': ['torch', 'reference'],
+                                        '--compare': ['reference'], '--grid': ['8x8'],
+                                        '--batch': ['1']}))
+    assert re.search(r'^nala-core-h3-d32 torch\s+B1 8x8 fp32: +[\d.]+ ms .* MiB moved at least, '
                      r'+[\d.]+ GB/s', out, re.M), out[-3000:]
     assert re.search(r'^  torch vs reference: [\d.]+x$', out, re.M), out[-3000:]
 
