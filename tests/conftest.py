@@ -84,6 +84,17 @@ def pytest_runtest_teardown(item):
     return (yield)
 
 
+def triton_interpret_checks(which):
+    """Run tests/triton_interpret_checks.py for ``which`` ('pola' or 'nala') in a subprocess with
+    ``TRITON_INTERPRET=1`` (the Triton kernels on CPU tensors); returns its case -> relative
+    error dict."""
+    env = dict(os.environ, TRITON_INTERPRET='1', PYTHONWARNINGS='ignore')
+    out = subprocess.run([sys.executable, osp.join(REPO, 'tests', 'triton_interpret_checks.py'),
+                          which], env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
 def run_tool(args, cwd=REPO, timeout=900):
     """Run a tool script in a subprocess; return its output (asserting success)."""
     env = dict(os.environ, PYTHONUNBUFFERED='1')

@@ -4,29 +4,19 @@ power, k^lam, sign split, unrotated normaliser, 2-D RoPE on the numerator). With
 kernels run in Triton's interpreter on CPU tensors (a subprocess with ``TRITON_INTERPRET=1``, see
 ``tests/triton_interpret_checks.py``); with CUDA they are also compiled, checked and checked to be
 selected automatically in inference."""
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import linattn_mm.ops.nala_triton as nt
 from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d
+from conftest import triton_interpret_checks
 
 pytestmark = pytest.mark.skipif(nt.triton is None, reason='Triton is not installed')
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope='module')
 def interpreted():
-    env = dict(os.environ, TRITON_INTERPRET='1', PYTHONWARNINGS='ignore')
-    out = subprocess.run([sys.executable, os.path.join(HERE, 'triton_interpret_checks.py'),
-                          'nala'], env=env, capture_output=True, text=True, timeout=600,
-                         cwd=os.path.dirname(HERE))
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout)
+    return triton_interpret_checks('nala')
 
 
 def test_interpreted_kernel_equals_the_reference(interpreted):
@@ -72,48 +62,6 @@ def test_module_options_are_checked():
     m = NormAwareLinearAttention(16, 2, fused='triton')
     with pytest.raises(RuntimeError, match='forward-only'):
         m(torch.randn(1, 16, 16), (4, 4))  # training: a gradient is needed
-
-
-def test_automatic_selection_keeps_cpu_on_the_torch_kernel(monkeypatch):
-    def boom(*a, **k):
-        raise AssertionError('the Triton core must not run on CPU tensors')
-    monkeypatch.setattr(nt, 'nala_attention_triton', boom)
-    m = NormAwareLinearAttention(16, 2).eval()
-    with torch.no_grad():
-        assert m(torch.randn(1, 16, 16), (4, 4)).shape == (1, 16, 16)
-
-
-def test_automatic_triton_failure_falls_back_to_the_torch_kernel(monkeypatch):
-    """A failing automatic Triton call warns once and the torch kernel gives the result for the
-    rest of the process; fused='triton' raises the error."""
-    import linattn_mm.models.attentions.nala as nala_mod
-    calls = []
-
-    def broken(*a, **k):
-        calls.append(1)
-        raise RuntimeError('PTX assembly failed')
-    failures = []
-    monkeypatch.setattr(nt, 'nala_attention_triton', broken)
-    monkeypatch.setattr(nala_mod, 'TRITON_FAILURE', failures)
-    monkeypatch.setattr('linattn_mm.ops.common.TRITON_FAILURE', failures)
-    # CPU stand-in for "CUDA inference": select Triton whenever no failure has been seen
-    monkeypatch.setattr(NormAwareLinearAttention, '_use_triton', lambda self, q, k, v:
-                        self.fused == 'triton' or (self.fused is None and not failures))
-    torch.manual_seed(0)
-    m = NormAwareLinearAttention(16, 2).eval()
-    x = torch.randn(1, 16, 16)
-    with torch.no_grad():
-        with pytest.warns(UserWarning, match='Triton kernel failed .RuntimeError: PTX assembly '
-                          'failed.; the torch kernel runs instead'):
-            got = m(x, (4, 4))
-        again = m(x, (4, 4))
-        m.fused = False
-        want = m(x, (4, 4))
-        assert len(calls) == 1 and torch.equal(got, again)
-        assert torch.allclose(got, want, rtol=1e-5, atol=1e-7)
-        m.fused = 'triton'
-        with pytest.raises(RuntimeError, match='PTX assembly failed'):
-            m(x, (4, 4))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')

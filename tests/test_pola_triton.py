@@ -4,29 +4,19 @@ Triton's interpreter on CPU tensors (a subprocess with ``TRITON_INTERPRET=1``, s
 ``tests/triton_interpret_checks.py``): the same kernel code, launch grid, masks and key-chunk
 reduction as on CUDA. On a machine with CUDA the kernels are also compiled and checked, and the
 automatic selection (``fused=None``) is checked to pick them in inference."""
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import linattn_mm.ops.pola_triton as pt
 from linattn_mm.models.attentions.pola import PolaLinearAttention, polarity_attention
+from conftest import triton_interpret_checks
 
 pytestmark = pytest.mark.skipif(pt.triton is None, reason='Triton is not installed')
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope='module')
 def interpreted():
-    env = dict(os.environ, TRITON_INTERPRET='1', PYTHONWARNINGS='ignore')
-    out = subprocess.run([sys.executable, os.path.join(HERE, 'triton_interpret_checks.py'),
-                          'pola'], env=env, capture_output=True, text=True, timeout=600,
-                         cwd=os.path.dirname(HERE))
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout)
+    return triton_interpret_checks('pola')
 
 
 def test_interpreted_kernel_equals_the_reference(interpreted):
@@ -61,16 +51,6 @@ def test_bad_inputs_are_named():
         m(torch.randn(1, 16, 16), (4, 4))  # training: a gradient is needed
 
 
-def test_automatic_selection_keeps_cpu_on_the_torch_kernel(monkeypatch):
-    def boom(*a, **k):
-        raise AssertionError('the Triton core must not run on CPU tensors')
-    monkeypatch.setattr('linattn_mm.ops.pola_triton.polarity_attention_triton', boom)
-    m = PolaLinearAttention(16, 2, pretrain_hw=(4, 4)).eval()
-    with torch.no_grad():
-        out = m(torch.randn(1, 16, 16), (4, 4))
-    assert out.shape == (1, 16, 16)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
 def test_cuda_kernel_is_selected_and_matches(monkeypatch, dtype):
@@ -95,34 +75,3 @@ def test_cuda_kernel_is_selected_and_matches(monkeypatch, dtype):
         m.fused = False
         ref = m(x, (64, 64))
     assert calls and ((fast - ref).abs().max() / ref.abs().max()).item() < 1e-5
-
-
-def test_automatic_triton_failure_falls_back_to_the_torch_kernel(monkeypatch):
-    """A failing Triton call (compiler, driver) on the automatic path warns once, gives the
-    torch kernel's result, and is not tried again; fused='triton' raises it instead."""
-    import linattn_mm.models.attentions.pola as pola_mod
-    calls = []
-
-    def broken(*a, **k):
-        calls.append(1)
-        raise RuntimeError('PTX assembly failed')
-    monkeypatch.setattr(pt, 'polarity_attention_triton', broken)
-    monkeypatch.setattr(pola_mod, '_TRITON_FAILURE', [])
-    # CPU stand-in for "CUDA inference": select Triton whenever no failure has been seen
-    monkeypatch.setattr(PolaLinearAttention, '_use_triton', lambda self, q, k, v: self.fused ==
-                        'triton' or (self.fused is None and not pola_mod._TRITON_FAILURE))
-    torch.manual_seed(0)
-    m = PolaLinearAttention(16, 2, pretrain_hw=(4, 4)).eval()
-    x = torch.randn(1, 16, 16)
-    with torch.no_grad():
-        with pytest.warns(UserWarning, match='Triton kernel failed .RuntimeError: PTX assembly '
-                          'failed.; the torch kernel runs instead'):
-            got = m(x, (4, 4))
-        again = m(x, (4, 4))
-        m.fused = False
-        want = m(x, (4, 4))
-        assert len(calls) == 1 and torch.equal(got, again)
-        assert torch.allclose(got, want, rtol=1e-5, atol=1e-7)
-        m.fused = 'triton'
-        with pytest.raises(RuntimeError, match='PTX assembly failed'):
-            m(x, (4, 4))

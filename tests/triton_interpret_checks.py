@@ -20,6 +20,23 @@ def rel(got, want):
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
+def triton_vs_reference(net, mixer_cls, *inputs):
+    """Relative error of ``net`` with every ``mixer_cls`` on the Triton core (float32) against
+    the same net with the mixers' reference cores in float64 (the largest over tuple outputs)."""
+    mixers = [m for m in net.modules() if isinstance(m, mixer_cls)]
+    assert mixers
+    with torch.no_grad():
+        for m in mixers:
+            m.fused = False
+        want = net.double()(*(t.double() if torch.is_tensor(t) else t for t in inputs))
+        for m in mixers:
+            m.fused = 'triton'
+        got = net.float()(*inputs)
+    if torch.is_tensor(got):
+        return rel(got, want)
+    return max(rel(a, b) for a, b in zip(got, want))
+
+
 def core_cases():
     """(name, B, h, N, n, d, position encoding, temperature, input dtype)."""
     return [('fp32 d32 pe scale', 2, 3, 70, 70, 32, True, True, torch.float32),
@@ -71,28 +88,15 @@ def run_modules(res):
         m = PolaLinearAttention(32, 4, pretrain_hw=(8, 8), num_extra_tokens=e, **kw).eval()
         randomise_pola_(m, i)
         x = torch.randn(2, e + hw[0] * hw[1], 32)
-        with torch.no_grad():
-            m.fused = False
-            want = m.double()(x.double(), hw)
-            m.float().fused = 'triton'
-            got = m(x, hw)
-        res[name] = rel(got, want)
+        res[name] = triton_vs_reference(m, PolaLinearAttention, x, hw)
     # a whole Pola-Swin backbone (global Pola in stages 1-2), every mixer on the Triton core
     torch.manual_seed(0)
     net = LinAttnSwin(arch=dict(embed_dims=32, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8]),
                       attn_cfg=[dict(type='PolaLinearAttention', qkv_layout='qkvg')] * 2 + [
                           dict(type='WindowSoftmaxAttention', window_size=7)] * 2).eval()
     randomise_pola_(net, 7)
-    x = torch.randn(1, 3, 64, 96)
-    mixers = [m for m in net.modules() if isinstance(m, PolaLinearAttention)]
-    with torch.no_grad():
-        for m in mixers:
-            m.fused = False
-        want = net.double()(x.double())
-        for m in mixers:
-            m.fused = 'triton'
-        got = net.float()(x)
-    res['Pola-Swin backbone'] = max(rel(a, b) for a, b in zip(got, want))
+    res['Pola-Swin backbone'] = triton_vs_reference(net, PolaLinearAttention,
+                                                    torch.randn(1, 3, 64, 96))
 
 
 def nala_reference(q, k, v, lam, eps, sin=None, cos=None):
@@ -144,27 +148,14 @@ def run_nala(res):
         torch.manual_seed(i)
         m = NormAwareLinearAttention(32, 2, **kw).eval()
         x = torch.randn(2, hw[0] * hw[1], 32)
-        with torch.no_grad():
-            m.fused = False
-            want = m.double()(x.double(), hw)
-            m.float().fused = 'triton'
-            got = m(x, hw)
-        res[name] = rel(got, want)
+        res[name] = triton_vs_reference(m, NormAwareLinearAttention, x, hw)
     # the native NaLaFormer hierarchy with NaLa in every stage, every mixer on the Triton core
     torch.manual_seed(0)
     net = NaLaFormer(arch=dict(embed_dims=[16, 32, 32, 32], depths=[1, 1, 1, 1],
                                num_heads=[1, 2, 2, 2], mlp_ratios=[2, 2, 2, 2]),
                      attn_types=('nala', ) * 4).eval()
-    x = torch.randn(1, 3, 64, 96)
-    mixers = [m for m in net.modules() if isinstance(m, NormAwareLinearAttention)]
-    with torch.no_grad():
-        for m in mixers:
-            m.fused = False
-        want = net.double()(x.double())
-        for m in mixers:
-            m.fused = 'triton'
-        got = net.float()(x)
-    res['NaLaFormer backbone'] = max(rel(a, b) for a, b in zip(got, want))
+    res['NaLaFormer backbone'] = triton_vs_reference(net, NormAwareLinearAttention,
+                                                     torch.randn(1, 3, 64, 96))
 
 
 if __name__ == '__main__':

@@ -3,21 +3,20 @@ import warnings
 
 import torch
 
-__all__ = ['grad_needed', 'sign_split', 'TRITON_FAILURE', 'note_triton_failure']
+__all__ = ['grad_needed', 'sign_split', 'TRITON_FAILURE', 'note_triton_failure', 'use_triton']
 
 #: the first error of an automatically selected Triton call in this process; from then on the
 #: modules run their torch kernels (a failing compiler or driver never stops inference)
 TRITON_FAILURE = []
 
 
-def note_triton_failure(owner, exc, failures=None):
-    """Record ``exc`` of an automatically selected Triton call in ``failures`` (default
-    :data:`TRITON_FAILURE`) and warn that the torch kernel takes over."""
-    failures = TRITON_FAILURE if failures is None else failures
-    failures.append(f'{type(exc).__name__}: {exc}')
-    warnings.warn(f'{owner}: the Triton kernel failed ({failures[0][:500]}); the torch kernel '
-                  f"runs instead for the rest of this process (fused='triton' raises the error)",
-                  stacklevel=3)
+def note_triton_failure(owner, exc):
+    """Record ``exc`` of an automatically selected Triton call in :data:`TRITON_FAILURE` and warn
+    that the torch kernel takes over."""
+    TRITON_FAILURE.append(f'{type(exc).__name__}: {exc}')
+    warnings.warn(f'{owner}: the Triton kernel failed ({TRITON_FAILURE[0][:500]}); the torch '
+                  f"kernel runs instead for the rest of this process (fused='triton' raises the "
+                  f'error)', stacklevel=3)
 
 
 def grad_needed(*tensors):
@@ -35,3 +34,22 @@ def sign_split(c):
     pos = torch.clamp_min(c, 0, out=out[..., :d])
     torch.sub(pos, c, out=out[..., d:])
     return out
+
+
+def use_triton(owner, fused, qkv, params=()):
+    """Whether a mixer's call runs its Triton core. ``fused='triton'``: always, and a clear error
+    where a gradient is needed (the kernels are forward-only). ``fused=None``: for CUDA ``qkv``
+    of a supported dtype when no gradient is needed (``qkv`` and ``params``) and no automatic
+    Triton call has failed in this process (:data:`TRITON_FAILURE`). Any other ``fused``:
+    never."""
+    grad = grad_needed(*qkv, *params)
+    if fused == 'triton':
+        if grad:
+            raise RuntimeError(f"{owner}: fused='triton' is forward-only (no gradient); train "
+                               f'with fused=None or True, or run under torch.no_grad()')
+        return True
+    if fused is not None or not qkv[0].is_cuda or grad or TRITON_FAILURE:
+        return False
+    from . import pola_triton
+    return pola_triton.triton_available(qkv[0]) and all(
+        t.dtype in pola_triton.TRITON_DTYPES for t in qkv)

@@ -32,6 +32,8 @@ __all__ = ['nala_attention_triton', 'triton_available', 'TRITON_DTYPES']
 if triton is not None:
     import triton.language as tl
 
+    from .pola_triton import _load_tile
+
     @triton.jit
     def _key_power(y, lam, CUBE: tl.constexpr):
         """``y^lam`` with the sign of ``y`` kept, float32."""
@@ -61,13 +63,11 @@ if triton is not None:
         for off in range(0, chunk, BLOCK_N):
             rn = start + off + tl.arange(0, BLOCK_N)
             m = (rn < n)[:, None] & dmask[None, :]
-            y = tl.load(K + b * s_kb + head * s_kh + rn[:, None] * s_kn + rd[None, :] * s_kd,
-                        mask=m, other=0.0).to(tl.float32)
+            y = _load_tile(K, b, head, rn, rd, s_kb, s_kh, s_kn, s_kd, m)
             c = _key_power(y, lam, CUBE)
             kp = tl.maximum(c, 0.0)
             kn = kp - c  # relu(-c), exactly
-            v = tl.load(V + b * s_vb + head * s_vh + rn[:, None] * s_vn + rd[None, :] * s_vd,
-                        mask=m, other=0.0).to(tl.float32)
+            v = _load_tile(V, b, head, rn, rd, s_vb, s_vh, s_vn, s_vd, m)
             sum_pos += tl.sum(kp, axis=0)
             sum_neg += tl.sum(kn, axis=0)
             if HAS_ROPE:
@@ -104,8 +104,7 @@ if triton is not None:
         rd = tl.arange(0, DP)
         dmask = rd < D
         m = (rm < N)[:, None] & dmask[None, :]
-        y = tl.load(Q + b * s_qb + head * s_qh + rm[:, None] * s_qn + rd[None, :] * s_qd,
-                    mask=m, other=0.0).to(tl.float32)
+        y = _load_tile(Q, b, head, rm, rd, s_qb, s_qh, s_qn, s_qd, m)
         qn = tl.sqrt(tl.sum(y * y, axis=1))
         tanh = 1.0 - 2.0 / (tl.exp(2.0 * qn) + 1.0)  # qn >= 0; exp overflow -> tanh = 1
         p = lam * (0.5 + tanh)

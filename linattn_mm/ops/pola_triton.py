@@ -57,6 +57,13 @@ def triton_available(x=None):
 if triton is not None:
 
     @triton.jit
+    def _load_tile(ptr, b, head, rows, rd, s_b, s_h, s_n, s_d, mask):
+        """Tile ``[rows, rd]`` of batch item ``b``, head ``head`` of a (B, h, L, d) tensor with
+        strides ``s_*``, as float32 (zero outside ``mask``)."""
+        return tl.load(ptr + b * s_b + head * s_h + rows[:, None] * s_n + rd[None, :] * s_d,
+                       mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
     def _features(x, p):
         """(relu(x)^p, relu(-x)^p) of a float32 tile, one exp2/log2 per element (0 -> 0)."""
         a = tl.exp2(p * tl.log2(tl.abs(x)))
@@ -85,16 +92,13 @@ if triton is not None:
         for off in range(0, chunk, BLOCK_N):
             rn = start + off + tl.arange(0, BLOCK_N)
             m = (rn < n)[:, None] & dmask[None, :]
-            y = tl.load(K + b * s_kb + head * s_kh + rn[:, None] * s_kn + rd[None, :] * s_kd,
-                        mask=m, other=0.0).to(tl.float32)
+            y = _load_tile(K, b, head, rn, rd, s_kb, s_kh, s_kn, s_kd, m)
             if HAS_PE:
-                y += tl.load(PE + b * s_pb + head * s_ph + rn[:, None] * s_pn + rd[None, :] * s_pd,
-                             mask=m, other=0.0).to(tl.float32)
+                y += _load_tile(PE, b, head, rn, rd, s_pb, s_ph, s_pn, s_pd, m)
             if HAS_SCALE:
                 y = y * inv_s[None, :]
             kp, kn = _features(y, p[None, :])
-            v = tl.load(V + b * s_vb + head * s_vh + rn[:, None] * s_vn + rd[None, :] * s_vd,
-                        mask=m, other=0.0).to(tl.float32)
+            v = _load_tile(V, b, head, rn, rd, s_vb, s_vh, s_vn, s_vd, m)
             acc_pos += tl.dot(tl.trans(kp), v, input_precision='ieee')
             acc_neg += tl.dot(tl.trans(kn), v, input_precision='ieee')
             sum_pos += tl.sum(kp, axis=0)
@@ -121,8 +125,7 @@ if triton is not None:
         dmask = rd < D
         m = (rm < N)[:, None] & dmask[None, :]
         p = tl.load(P + head * D + rd, mask=dmask, other=1.0)
-        y = tl.load(Q + b * s_qb + head * s_qh + rm[:, None] * s_qn + rd[None, :] * s_qd,
-                    mask=m, other=0.0).to(tl.float32)
+        y = _load_tile(Q, b, head, rm, rd, s_qb, s_qh, s_qn, s_qd, m)
         if HAS_SCALE:
             y = y * tl.load(S + head * D + rd, mask=dmask, other=1.0)[None, :]
         qp, qn = _features(y, p[None, :])

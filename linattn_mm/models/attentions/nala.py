@@ -55,7 +55,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from linattn_mm.ops.common import TRITON_FAILURE, note_triton_failure
+from linattn_mm.ops.common import note_triton_failure, use_triton
 from linattn_mm.ops.nala import nala_attention_fast
 from linattn_mm.registry import ATTENTIONS
 from .base import BaseTokenMixer
@@ -311,18 +311,7 @@ class NormAwareLinearAttention(_NaLaBlockMixin):
 
     def _use_triton(self, q, k, v):
         """Whether this call runs the Triton core (see ``fused``)."""
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        if self.fused == 'triton':
-            if grad:
-                raise RuntimeError(f"{type(self).__name__}: fused='triton' is forward-only (no "
-                                   f'gradient); train with fused=None or True, or run under '
-                                   f'torch.no_grad()')
-            return True
-        if self.fused is not None or not q.is_cuda or grad or TRITON_FAILURE:
-            return False
-        from linattn_mm.ops import nala_triton
-        return nala_triton.triton_available(q) and all(
-            t.dtype in nala_triton.TRITON_DTYPES for t in (q, k, v))
+        return use_triton(type(self).__name__, self.fused, (q, k, v))
 
     def _triton_core(self, q, k, v, sin, cos):
         """The Triton core's output, or None when the torch kernel is to run (not selected, or

@@ -58,7 +58,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from linattn_mm.ops.common import TRITON_FAILURE, note_triton_failure
+from linattn_mm.ops.common import note_triton_failure, use_triton
 from linattn_mm.ops.pola import polarity_attention_fast
 from linattn_mm.registry import ATTENTIONS
 from ..utils.grid import resize_grid_embed
@@ -66,8 +66,6 @@ from .base import BaseTokenMixer, merge_heads, split_heads
 
 __all__ = ['PolaLinearAttention', 'polarity_attention', 'polarity_attention_fused']
 
-#: failures of automatically selected Triton calls, shared by every module of the process
-_TRITON_FAILURE = TRITON_FAILURE
 
 
 def polarity_attention(q, k, v, p, eps=1e-6):
@@ -364,17 +362,7 @@ class PolaLinearAttention(BaseTokenMixer):
     def _use_triton(self, q, k, v):
         """Whether this call runs the Triton core (see ``fused``)."""
         params = [self.power] + ([self.scale] if self.temperature else [])
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in [q, k, v] + params)
-        if self.fused == 'triton':
-            if grad:
-                raise RuntimeError(f"{type(self).__name__}: fused='triton' is forward-only (no "
-                                   f'gradient); train with fused=None or True, or run under '
-                                   f'torch.no_grad()')
-            return True
-        if self.fused is not None or not q.is_cuda or grad or _TRITON_FAILURE:
-            return False
-        ops = self._triton()
-        return ops.triton_available(q) and all(t.dtype in ops.TRITON_DTYPES for t in (q, k, v))
+        return use_triton(type(self).__name__, self.fused, (q, k, v), params)
 
     def _attend(self, q, k, v, k_bias=None):
         """Temperature, polarity feature maps and the two normalised streams with autocast off, in
@@ -393,7 +381,7 @@ class PolaLinearAttention(BaseTokenMixer):
             except Exception as e:  # automatic choice only: the torch kernel takes over
                 if self.fused == 'triton':
                     raise
-                note_triton_failure(type(self).__name__, e, _TRITON_FAILURE)
+                note_triton_failure(type(self).__name__, e)
         work = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
         work = torch.promote_types(work, torch.float32)  # fp16/bf16 -> fp32; fp64 stays
         with torch.autocast(device_type=q.device.type, enabled=False):
