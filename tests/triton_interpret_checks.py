@@ -123,6 +123,7 @@ def nala_cases():
     return [('nala fp32 d32 rope', 2, 3, (7, 10), 32, True, 3., torch.float32),
             ('nala fp32 d16 no rope', 1, 2, (5, 7), 16, False, 3., torch.float32),
             ('nala fp32 d12 rope (padded head dim)', 1, 2, (6, 6), 12, True, 3., torch.float32),
+            ('nala fp32 d64 rope (NaLaFormer head)', 1, 1, (6, 8), 64, True, 3., torch.float32),
             ('nala fp32 lam 2 rope', 1, 1, (8, 9), 8, True, 2., torch.float32),
             ('nala fp32 d8 several key chunks', 1, 1, (15, 20), 8, True, 3., torch.float32),
             ('nala bf16 d16 rope', 2, 2, (7, 7), 16, True, 3., torch.bfloat16),

@@ -182,7 +182,10 @@ def nala_attention_triton(q, k, v, power=3., eps=1e-6, sin=None, cos=None, out_d
     rs = cos.stride() if has_rope else (0, 0)
     _nala_keys_kernel[(B * h, splits)](
         k, v, sin, cos, acc, ks, n, h, chunk, lam, *k.stride(), *v.stride(), *rs,
-        D=d, DP=DP, BLOCK_N=block_n, HAS_ROPE=has_rope, CUBE=lam == 3.0)
+        D=d, DP=DP, BLOCK_N=block_n, HAS_ROPE=has_rope, CUBE=lam == 3.0,
+        # four (DP x DP) float32 accumulators with the RoPE: spread them over more threads for
+        # NaLaFormer's d = 64 (a register-pressure choice, not yet timed on a GPU)
+        num_warps=8 if has_rope and DP >= 64 else 4)
     acc = acc.sum(1).mul_(1.0 / n)  # (B*h, 4, DP, DP)
     km = ks.sum(1).mul_(1.0 / n).contiguous()  # key feature means (B*h, 2, DP)
     if has_rope:
