@@ -3,7 +3,8 @@ import warnings
 
 import torch
 
-__all__ = ['grad_needed', 'sign_split', 'TRITON_FAILURE', 'note_triton_failure', 'use_triton']
+__all__ = ['grad_needed', 'sign_split', 'TRITON_FAILURE', 'note_triton_failure', 'use_triton',
+           'call_triton']
 
 #: the first error of an automatically selected Triton call in this process; from then on the
 #: modules run their torch kernels (a failing compiler or driver never stops inference)
@@ -53,3 +54,17 @@ def use_triton(owner, fused, qkv, params=()):
     from . import pola_triton
     return pola_triton.triton_available(qkv[0]) and all(
         t.dtype in pola_triton.TRITON_DTYPES for t in qkv)
+
+
+def call_triton(owner, fused, core, *args, **kwargs):
+    """``core(*args, **kwargs)`` for a Triton core chosen by :func:`use_triton`. Should it fail
+    on the automatic path (``fused=None``: compiler, driver), the error is noted
+    (:func:`note_triton_failure`) and None is returned, so the caller runs its torch kernel;
+    with ``fused='triton'`` the error is raised."""
+    try:
+        return core(*args, **kwargs)
+    except Exception as e:
+        if fused == 'triton':
+            raise
+        note_triton_failure(owner, e)
+        return None

@@ -39,8 +39,8 @@ if triton is not None:
         """``y^lam`` with the sign of ``y`` kept, float32."""
         if CUBE:
             return y * y * y
-        a = tl.exp2(lam * tl.log2(tl.abs(y)))
-        return tl.where(y > 0, a, tl.where(y < 0, -a, 0.0))
+        a = tl.exp2(lam * tl.log2(tl.abs(y)))  # 0 at y = 0
+        return tl.where(y < 0, -a, a)
 
     @triton.jit
     def _nala_keys_kernel(K, V, SIN, COS, ACC, KS, n, h, chunk, lam,

@@ -55,7 +55,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from linattn_mm.ops.common import note_triton_failure, use_triton
+from linattn_mm.ops.common import call_triton, use_triton
 from linattn_mm.ops.nala import nala_attention_fast
 from linattn_mm.registry import ATTENTIONS
 from .base import BaseTokenMixer
@@ -315,17 +315,12 @@ class NormAwareLinearAttention(_NaLaBlockMixin):
 
     def _triton_core(self, q, k, v, sin, cos):
         """The Triton core's output, or None when the torch kernel is to run (not selected, or
-        an automatically selected call failed: warned once, see ``note_triton_failure``)."""
+        an automatically selected call failed: see :func:`~linattn_mm.ops.common.call_triton`)."""
         if not self._use_triton(q, k, v):
             return None
         from linattn_mm.ops import nala_triton
-        try:
-            return nala_triton.nala_attention_triton(q, k, v, self.power, self.eps, sin, cos)
-        except Exception as e:
-            if self.fused == 'triton':
-                raise
-            note_triton_failure(type(self).__name__, e)
-            return None
+        return call_triton(type(self).__name__, self.fused, nala_triton.nala_attention_triton,
+                           q, k, v, self.power, self.eps, sin, cos)
 
     has_attention_weights = True
 

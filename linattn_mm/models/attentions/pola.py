@@ -53,19 +53,17 @@ Precision: the feature map (temperature, ReLU, power) and the small matmuls run 
 autocast disabled (``p`` reaches 1 + alpha, so ``relu(q/s)^p`` overflows fp16 easily); the result
 is cast back to the dtype of the projections.
 """
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from linattn_mm.ops.common import note_triton_failure, use_triton
+from linattn_mm.ops.common import call_triton, use_triton
 from linattn_mm.ops.pola import polarity_attention_fast
 from linattn_mm.registry import ATTENTIONS
 from ..utils.grid import resize_grid_embed
 from .base import BaseTokenMixer, merge_heads, split_heads
 
 __all__ = ['PolaLinearAttention', 'polarity_attention', 'polarity_attention_fused']
-
 
 
 def polarity_attention(q, k, v, p, eps=1e-6):
@@ -372,16 +370,13 @@ class PolaLinearAttention(BaseTokenMixer):
         if self._use_triton(q, k, v):  # reads the inputs in their own dtype, float32 inside
             h = self.num_heads
             p, inv_s = self._coefficients(torch.float32)
-            try:
-                out = self._triton().polarity_attention_triton(
-                    split_heads(q, h), split_heads(k, h), split_heads(v, h), p, self.eps,
-                    inv_scale=inv_s, k_bias=None if k_bias is None else split_heads(k_bias, h),
-                    out_dtype=out_dtype)
+            out = call_triton(
+                type(self).__name__, self.fused, self._triton().polarity_attention_triton,
+                split_heads(q, h), split_heads(k, h), split_heads(v, h), p, self.eps,
+                inv_scale=inv_s, k_bias=None if k_bias is None else split_heads(k_bias, h),
+                out_dtype=out_dtype)
+            if out is not None:  # None: a failed automatic call, the torch kernel takes over
                 return merge_heads(out)
-            except Exception as e:  # automatic choice only: the torch kernel takes over
-                if self.fused == 'triton':
-                    raise
-                note_triton_failure(type(self).__name__, e)
         work = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
         work = torch.promote_types(work, torch.float32)  # fp16/bf16 -> fp32; fp64 stays
         with torch.autocast(device_type=q.device.type, enabled=False):
