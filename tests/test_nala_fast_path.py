@@ -1,37 +1,21 @@
 """NaLa fast path (:func:`linattn_mm.ops.nala.nala_attention_fast`) against the reference core of
 :class:`NormAwareLinearAttention` (``feature_maps`` + ``apply_rope`` in the official order of
-operations, written out here from the module docstring's formulas): the kernel, the module with
-``fused=None`` against ``fused=False``, and a whole NaLaFormer backbone, outputs and gradients, in
-float32 (1e-5 relative) and float64 (1e-10 relative)."""
+operations, written out in tests/conftest.py from the module docstring's formulas): the kernel,
+the module with ``fused=None`` against ``fused=False``, and a whole NaLaFormer backbone, outputs
+and gradients, in float32 (1e-5 relative) and float64 (1e-10 relative)."""
 import pytest
 import torch
-import torch.nn.functional as F
 
-from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d, apply_rope
+from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d
 from linattn_mm.models.backbones.nalaformer import NaLaFormer
 from linattn_mm.ops import nala_attention_fast
+from conftest import nala_reference_core as reference_core
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 
 
 def rel_err(got, want):
     return ((got - want).abs().max() / want.abs().max()).item()
-
-
-def reference_core(q, k, v, lam=3., eps=1e-6, rope=None):
-    """The official core: phi_q = [relu(d(q))^p, relu(-d(q))^p], p = lam (0.5 + tanh ||q||),
-    phi_k = [relu(k^lam), relu(-k^lam)], z from the unrotated maps, RoPE on the numerator."""
-    qn = q.norm(dim=-1, keepdim=True)
-    dq = q / qn.clamp_min(1e-12)
-    p = lam * (0.5 + torch.tanh(qn))
-    kl = k.abs() ** lam * k.sign()
-    phi_q = torch.cat([F.relu(dq) ** p, F.relu(-dq) ** p], -1)
-    phi_k = torch.cat([F.relu(kl), F.relu(-kl)], -1)
-    z = 1 / (phi_q @ phi_k.mean(-2, keepdim=True).transpose(-2, -1) + eps)
-    if rope is not None:
-        phi_q, phi_k = apply_rope(phi_q, *rope), apply_rope(phi_k, *rope)
-    n = k.shape[-2]
-    return phi_q @ ((phi_k.transpose(-2, -1) * n**-0.5) @ (v * n**-0.5)) * z
 
 
 def inputs(B, h, H, W, d, dtype, seed=0):

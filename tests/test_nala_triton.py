@@ -9,7 +9,7 @@ import torch
 
 import linattn_mm.ops.nala_triton as nt
 from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d
-from conftest import triton_interpret_checks
+from conftest import nala_reference_core, triton_interpret_checks
 
 pytestmark = pytest.mark.skipif(nt.triton is None, reason='Triton is not installed')
 
@@ -68,7 +68,6 @@ def test_module_options_are_checked():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
 def test_cuda_kernel_is_selected_and_matches(monkeypatch, dtype):
-    from triton_interpret_checks import nala_reference
     calls = []
     real = nt.nala_attention_triton
 
@@ -82,7 +81,8 @@ def test_cuda_kernel_is_selected_and_matches(monkeypatch, dtype):
                for _ in range(3))
     sin, cos = RoPE2d(d).cuda()((H, W))
     got = real(q, k, v, 3., 1e-6, sin, cos, out_dtype=torch.float32)
-    want = nala_reference(q, k, v, 3., 1e-6, sin, cos)
+    want = nala_reference_core(q.double(), k.double(), v.double(), 3., 1e-6,
+                               (sin.double(), cos.double()))
     assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-5
     m = NormAwareLinearAttention(h * d, h).cuda().eval()
     x = torch.randn(B, H * W, h * d, device='cuda', generator=g)

@@ -7,12 +7,13 @@ import sys
 
 import torch
 
-from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d, apply_rope
+from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d
 from linattn_mm.models.attentions.pola import PolaLinearAttention, polarity_attention
 from linattn_mm.models.backbones import LinAttnSwin
 from linattn_mm.models.backbones.nalaformer import NaLaFormer
 from linattn_mm.ops.nala_triton import nala_attention_triton
 from linattn_mm.ops.pola_triton import polarity_attention_triton
+from conftest import nala_reference_core
 
 
 def rel(got, want):
@@ -99,25 +100,6 @@ def run_modules(res):
                                                     torch.randn(1, 3, 64, 96))
 
 
-def nala_reference(q, k, v, lam, eps, sin=None, cos=None):
-    """NaLa official kernel from the formulas, float64: d(q) = q/||q||, p = lam (0.5 +
-    tanh||q||), phi_q = [relu(d(q))^p, relu(-d(q))^p], phi_k = [relu(k^lam), relu(-k^lam)]
-    (sign kept), z from the unrotated maps, RoPE on both numerator maps, kv / N."""
-    q, k, v = q.double(), k.double(), v.double()
-    qn = torch.linalg.vector_norm(q, dim=-1, keepdim=True)
-    dq = q / qn.clamp_min(1e-12)
-    p = lam * (0.5 + torch.tanh(qn))
-    kk = k.abs() ** lam * k.sign()
-    phi_q = torch.cat([torch.relu(dq) ** p, torch.relu(-dq) ** p], -1)
-    phi_k = torch.cat([torch.relu(kk), torch.relu(-kk)], -1)
-    z = 1 / (phi_q @ phi_k.mean(-2, keepdim=True).transpose(-2, -1) + eps)
-    if sin is not None:
-        phi_q, phi_k = apply_rope(phi_q, sin.double(), cos.double()), \
-            apply_rope(phi_k, sin.double(), cos.double())
-    n = k.shape[-2]
-    return phi_q @ (phi_k.transpose(-2, -1) @ v / n) * z
-
-
 def nala_cases():
     """(name, B, h, (H, W), d, RoPE, lam, input dtype)."""
     return [('nala fp32 d32 rope', 2, 3, (7, 10), 32, True, 3., torch.float32),
@@ -142,7 +124,9 @@ def run_nala(res):
         sin, cos = RoPE2d(d)(hw) if rope else (None, None)
         out = nala_attention_triton(q, k, v, lam, 1e-6, sin, cos, out_dtype=torch.float32)
         assert out.shape == (B, h, N, d) and out.transpose(1, 2).is_contiguous()
-        res[name] = rel(out, nala_reference(q, k, v, lam, 1e-6, sin, cos))
+        rope = None if sin is None else (sin.double(), cos.double())
+        res[name] = rel(out, nala_reference_core(q.double(), k.double(), v.double(), lam, 1e-6,
+                                                 rope))
     for i, (name, kw, hw) in enumerate([('nala module rope', {}, (11, 13)),
                                         ('nala module no rope, lam 2',
                                          dict(use_rope=False, power=2.), (6, 9))]):
