@@ -65,20 +65,28 @@ class MacCount:
 @contextlib.contextmanager
 def reference_cores(fn):
     """Run the attention mixers of ``fn`` (a module) with their reference cores (``fused=False``)
-    and restore their setting afterwards. The fast kernels reorganise the same model (e.g. NaLa's
-    RoPE folded into (4d, d) matrices makes its two small GEMMs twice as wide while removing
-    element-wise passes), so the count is that of the model in its official form, whatever the
-    kernel."""
-    mods = [m for m in fn.modules() if hasattr(m, 'fused') and hasattr(m, 'use_fast_path')] \
+    and its transformer blocks with the plain FFN (``fused_ffn=False``), and restore the settings
+    afterwards. The fast kernels reorganise the same model (e.g. NaLa's RoPE folded into (4d, d)
+    matrices makes its two small GEMMs twice as wide while removing element-wise passes; the fused
+    FFN bypasses the ``fc1`` / ``fc2`` modules the per-module counts are named after), so the count
+    is that of the model in its official form, whatever the kernel."""
+    mods = [(m, attr) for m in fn.modules()
+            for attr in ('fused', 'fused_ffn') if hasattr(m, attr)
+            and (attr == 'fused_ffn' or hasattr(m, 'use_fast_path'))] \
         if isinstance(fn, torch.nn.Module) else []
-    saved = [m.fused for m in mods]
+    # fused_ffn is a class default unless set on the instance: restore it by deleting
+    saved = [(getattr(m, attr), attr == 'fused_ffn' and attr not in m.__dict__)
+             for m, attr in mods]
     try:
-        for m in mods:
-            m.fused = False
+        for m, attr in mods:
+            setattr(m, attr, False)
         yield
     finally:
-        for m, f in zip(mods, saved):
-            m.fused = f
+        for (m, attr), (f, class_default) in zip(mods, saved):
+            if class_default:
+                delattr(m, attr)
+            else:
+                setattr(m, attr, f)
 
 
 def count_macs(fn, *args, **kwargs):

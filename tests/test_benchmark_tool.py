@@ -90,3 +90,19 @@ def test_core_mode_nala_torch_equals_reference():
     assert res[1]['max_abs_diff_vs_first_impl'] < 1e-5 * res[0]['max_abs_output']
     assert res[1]['max_abs_output'] > 0
     assert 'speedup_vs_reference' in res[1]
+
+
+def test_set_impl_switches_the_ffn_with_the_mixers():
+    """official / reference run the plain FFN of the official code, the plugin's implementations
+    the automatic fused one, and ``--ffn plain`` keeps it plain for all."""
+    from linattn_mm.models.utils.layers import TransformerBlock
+    net = TOOL['build_backbone']('pola-pvt-t')
+    blocks = [m for m in net.modules() if isinstance(m, TransformerBlock)]
+    mixers = TOOL['pola_modules'](net)
+    assert blocks and mixers
+    for impl, ffn, want in [('official', 'auto', False), ('fast', 'auto', None),
+                            ('reference', 'auto', False), ('fast', 'plain', False),
+                            ('torch', 'auto', None)]:
+        TOOL['set_impl'](net, impl, ffn)
+        assert [b.fused_ffn for b in blocks] == [want] * len(blocks), (impl, ffn)
+        assert all(('forward' in m.__dict__) == (impl == 'official') for m in mixers)

@@ -34,6 +34,13 @@ same weights, same inputs, and outputs are compared with the first):
   NCHW depth-wise conv); it is bound to every ``PolaLinearAttention`` of the model in place of
   its ``forward``, so it uses the same weights.
 
+The transformer blocks' FFN half ``x + mlp(norm2(x))`` follows the implementation too: ``fast``,
+``torch`` and ``triton`` leave it automatic (``TransformerBlock.fused_ffn = None``: the chunked
+in-place kernel :mod:`linattn_mm.ops.ffn` in inference), ``reference`` and ``official`` run the
+plain form of the official code (``fc2(act(fc1(norm2(x))))`` plus the residual; ``fused_ffn =
+False``). ``--ffn plain`` keeps the plain form for every implementation, so that the mixers alone
+are compared.
+
 ``--compare BASELINE`` (a target name or an implementation name, measured in the same run) prints
 time ratios ``baseline / this`` (> 1: faster than the baseline) per size.
 
@@ -69,6 +76,7 @@ import linattn_mm  # noqa: F401
 from linattn_mm.flops import dummy_inputs
 from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d, apply_rope
 from linattn_mm.models.attentions.pola import PolaLinearAttention
+from linattn_mm.models.utils.layers import TransformerBlock
 from linattn_mm.utils import PeakMemoryCounter, use_heap_allocator
 from linattn_mm.utils.progress import emit, progress_bar
 
@@ -182,10 +190,15 @@ def nala_modules(model):
     return [m for m in model.modules() if isinstance(m, NormAwareLinearAttention)]
 
 
-def set_impl(model, impl):
+def set_impl(model, impl, ffn='auto'):
     """Switch every Pola and NaLa mixer of ``model`` to ``impl`` (see the module docstring). NaLa
     has one fast core (``fast``, ``torch`` and ``triton`` select it) and its reference core is the
-    official order of operations (``reference`` and ``official`` select it)."""
+    official order of operations (``reference`` and ``official`` select it). The transformer
+    blocks' FFN half is fused for the plugin's fast implementations unless ``ffn='plain'``."""
+    plain_ffn = ffn == 'plain' or impl in ('reference', 'official')
+    for m in model.modules():
+        if isinstance(m, TransformerBlock):
+            m.fused_ffn = False if plain_ffn else None
     for m in pola_modules(model):
         m.__dict__.pop('forward', None)
         if impl == 'official':
@@ -370,6 +383,9 @@ def parse_args(argv=None):
     p.add_argument('--compare', nargs='+', default=None,
                    help="baselines for time ratios: 'BASE' (a target or an implementation name, "
                    "for every other result) or 'TARGET:BASE' (one pair)")
+    p.add_argument('--ffn', choices=['auto', 'plain'], default='auto',
+                   help="transformer blocks' FFN half: 'auto' (fused for the plugin's fast "
+                   "implementations, plain for reference/official) or 'plain' for all")
     p.add_argument('--forward', choices=['tensor', 'predict'], default='tensor',
                    help="--mode model: forward mode (predict needs data samples; they are made)")
     p.add_argument('--grid', nargs='+', default=['128x128'],
@@ -488,8 +504,8 @@ def main(argv=None):
                 bar.set_postfix_str(f'{name} {hw[0]}x{hw[1]}')
             torch.manual_seed(args.seed + 1)
             fn_base = call(model, hw)
-            variants = [(impl, (lambda impl=impl, model=model: set_impl(model, impl)
-                                 if impl != '-' else None), fn_base) for impl in impls]
+            variants = [(impl, (lambda impl=impl, model=model: set_impl(
+                model, 'fast' if impl == '-' else impl, args.ffn)), fn_base) for impl in impls]
             try:
                 meas = measure_interleaved(variants, device, args.warmup, args.repeats, ac)
             except (RuntimeError, MemoryError) as e:  # e.g. out of memory

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as cp
 
 from linattn_mm.models.attentions.base import build_attention
+from linattn_mm.ops.common import grad_needed
+from linattn_mm.ops.ffn import ffn_residual_
 from .grid import resize_grid_embed  # noqa: F401  (re-exported for the skeletons)
 
 
@@ -99,7 +101,16 @@ class TransformerBlock(nn.Module):
         with_cp (bool): gradient checkpointing of this block.
         norm_eps (float): LayerNorm epsilon (official PVT/DeiT: 1e-6, Swin: 1e-5).
         context (dict): extra context for the token mixer (block_idx, pretrain_hw, ...).
+
+    Attribute ``fused_ffn`` (default None, automatic): in inference (eval mode and no gradient
+    needed) the second half ``x + mlp(norm2(x))`` of a block without the PVTv2 depth-wise conv
+    runs as :func:`linattn_mm.ops.ffn.ffn_residual_`: on CPU 1024 tokens at a time, with the
+    activation and the residual in place (same result; up to 2.3x faster on CPU at stage-1 sizes,
+    equal at stage 3-4 sizes). Not under autocast.
+    ``False`` keeps the plain form; ``True`` asks for the fused form and raises where it cannot run.
     """
+
+    fused_ffn = None
 
     def __init__(self, embed_dims, num_heads, attn_cfg, mlp_ratio=4., drop_path=0., drop_rate=0.,
                  dwconv_mlp=False, with_cp=False, norm_eps=1e-6, **context):
@@ -116,7 +127,35 @@ class TransformerBlock(nn.Module):
 
     def _forward(self, x, hw_shape):
         x = x + self.drop_path(self.attn(self.norm1(x), hw_shape))
+        if self._use_fused_ffn(x):  # x is the fresh sum above: updated in place
+            mlp, norm = self.mlp, self.norm2
+            return ffn_residual_(x, norm.weight, norm.bias, norm.eps, mlp.fc1.weight, mlp.fc1.bias,
+                                 mlp.fc2.weight, mlp.fc2.bias, mlp.act.approximate)
         return x + self.drop_path(self.mlp(self.norm2(x), hw_shape))
+
+    def _use_fused_ffn(self, x):
+        if self.fused_ffn is False:
+            return False
+        problem = None
+        if self.fused_ffn not in (None, True):
+            problem = f'fused_ffn must be None, True or False, got {self.fused_ffn!r}'
+        elif self.training:
+            problem = 'the fused FFN runs in eval mode only'
+        elif self.mlp.dwconv is not None:
+            problem = 'the fused FFN has no depth-wise conv (PVTv2 FFN)'
+        elif type(self.mlp.act) is not nn.GELU or type(self.norm2) is not nn.LayerNorm:
+            problem = 'the fused FFN needs the nn.GELU and nn.LayerNorm of this block'
+        elif torch.is_autocast_enabled(x.device.type):
+            problem = 'the fused FFN does not run under autocast'
+        elif grad_needed(x, *self.mlp.parameters(), *self.norm2.parameters()):
+            problem = 'the fused FFN is forward-only and a gradient is needed here'
+        elif not x.is_contiguous():
+            problem = 'the fused FFN needs contiguous tokens'
+        if problem is None:
+            return True
+        if self.fused_ffn is not None:  # True, or an invalid value
+            raise RuntimeError(f'{type(self).__name__}: {problem}')
+        return False
 
     def forward(self, x, hw_shape):
         if self.with_cp and x.requires_grad:

@@ -1,0 +1,200 @@
+"""The chunked in-place FFN kernel (:mod:`linattn_mm.ops.ffn`) against the FFN formula written out
+here, and its automatic use in ``TransformerBlock`` (inference only; plain form in training, with
+gradients, under autocast and with the PVTv2 depth-wise conv FFN)."""
+import math
+
+import pytest
+import torch
+
+import linattn_mm.models.utils.layers as layers
+from linattn_mm.models.backbones import LinAttnPVT, LinAttnSwin
+from linattn_mm.models.utils.layers import TransformerBlock
+from linattn_mm.ops.ffn import CPU_CHUNK_ROWS, ffn_residual_
+
+
+def ffn_formula(x, ln_w, ln_b, eps, w1, b1, w2, b2, approximate='none'):
+    """x + W2 gelu(W1 LN(x) + b1) + b2, each step from its definition (float64 inputs)."""
+    mu = x.mean(-1, keepdim=True)
+    var = ((x - mu) ** 2).mean(-1, keepdim=True)
+    n = (x - mu) / torch.sqrt(var + eps)
+    if ln_w is not None:
+        n = n * ln_w + ln_b
+    h = n @ w1.T + (0 if b1 is None else b1)
+    if approximate == 'none':
+        h = 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))
+    else:
+        h = 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))
+    return x + h @ w2.T + (0 if b2 is None else b2)
+
+
+def params(C, hidden, bias=True, affine=True, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)  # noqa: E731
+    return ((1 + 0.3 * r(C)) if affine else None, 0.3 * r(C) if affine else None, 1e-6,
+            r(hidden, C) / math.sqrt(C), 0.2 * r(hidden) if bias else None,
+            r(C, hidden) / math.sqrt(hidden), 0.2 * r(C) if bias else None)
+
+
+@pytest.mark.parametrize('shape,rows', [((2, 37, 12), 16), ((3, 50, 8), 7), ((1, 5, 16), 1000),
+                                        ((2, 1100, 6), None), ((0, 4, 8), None)])
+@pytest.mark.parametrize('bias,affine,approximate', [(True, True, 'none'), (False, False, 'none'),
+                                                     (True, True, 'tanh')])
+def test_kernel_matches_formula(shape, rows, bias, affine, approximate):
+    C = shape[-1]
+    p = params(C, 3 * C + 1, bias, affine)
+    x = torch.randn(*shape, dtype=torch.float64)
+    want = ffn_formula(x, *p, approximate)
+    got = x.clone()
+    out = ffn_residual_(got, *p, approximate=approximate, rows=rows)
+    assert out is got  # in place
+    assert got.shape == want.shape
+    if want.numel():
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        assert err < 1e-12, err
+
+
+def test_kernel_float32_equals_plain_module_form():
+    """1024-row chunks (the CPU default) against ``x + fc2(gelu(fc1(norm(x))))`` run whole."""
+    torch.manual_seed(0)
+    norm, fc1, fc2 = torch.nn.LayerNorm(32), torch.nn.Linear(32, 128), torch.nn.Linear(128, 32)
+    x = torch.randn(3, 1000, 32)  # 3000 rows: two full chunks and one partial
+    assert x.shape[0] * x.shape[1] > 2 * CPU_CHUNK_ROWS
+    with torch.no_grad():
+        want = x + fc2(torch.nn.functional.gelu(fc1(norm(x))))
+        got = ffn_residual_(x.clone(), norm.weight, norm.bias, norm.eps, fc1.weight, fc1.bias,
+                            fc2.weight, fc2.bias)
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < 1e-6, err
+
+
+def test_kernel_rejects_bad_input():
+    p = params(8, 16, dtype=torch.float32)
+    with pytest.raises(ValueError, match='contiguous'):
+        ffn_residual_(torch.randn(8, 4, 2).transpose(0, 2), *p)
+    with pytest.raises(ValueError, match='do not match 6 input channels'):
+        ffn_residual_(torch.randn(2, 6), *p)
+    with pytest.raises(ValueError, match='rows must be positive'):
+        ffn_residual_(torch.randn(2, 8), *p, rows=0)
+
+
+def make_block(dwconv=False):
+    torch.manual_seed(1)
+    blk = TransformerBlock(16, 2, dict(type='SRSoftmaxAttention'), mlp_ratio=3,
+                           dwconv_mlp=dwconv)
+    with torch.no_grad():
+        for p in blk.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return blk
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    calls = []
+
+    def spy(x, *a, **kw):
+        calls.append(tuple(x.shape))
+        return ffn_residual_(x, *a, **kw)
+    monkeypatch.setattr(layers, 'ffn_residual_', spy)
+    return calls
+
+
+def test_block_uses_kernel_in_inference_with_same_output(kernel_calls):
+    blk = make_block().eval()
+    x = torch.randn(2, 30, 16)
+    with torch.no_grad():
+        blk.fused_ffn = False
+        plain = blk(x, (5, 6))
+        assert kernel_calls == []
+        blk.fused_ffn = None
+        fused = blk(x, (5, 6))
+    assert kernel_calls == [(2, 30, 16)]
+    assert torch.allclose(fused, plain, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(fused, x)  # the block input is not overwritten
+    with torch.inference_mode():
+        assert torch.allclose(blk(x, (5, 6)), plain, rtol=1e-6, atol=1e-6)
+    assert len(kernel_calls) == 2
+
+
+def test_block_plain_where_kernel_cannot_run(kernel_calls):
+    blk = make_block()
+    x = torch.randn(1, 12, 16)
+    blk.train()
+    blk(x, (3, 4))  # training
+    blk.eval()
+    blk(x, (3, 4)).sum().backward()  # eval with gradients (e.g. fine-tuning with frozen BN)
+    assert blk.mlp.fc1.weight.grad is not None
+    with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16):
+        blk(x, (3, 4))
+    with torch.no_grad():
+        make_block(dwconv=True).eval()(x, (3, 4))  # PVTv2 FFN
+    assert kernel_calls == []
+    # frozen parameters and an input without grad: inference even with autograd on
+    for p in blk.parameters():
+        p.requires_grad_(False)
+    blk(x, (3, 4))
+    assert kernel_calls == [(1, 12, 16)]
+
+
+def test_block_forced_kernel_names_the_problem():
+    x = torch.randn(1, 12, 16)
+    blk = make_block()
+    blk.fused_ffn = True
+    with pytest.raises(RuntimeError, match='eval mode only'):
+        blk.train()(x, (3, 4))
+    with pytest.raises(RuntimeError, match='gradient is needed'):
+        blk.eval()(x, (3, 4))
+    with pytest.raises(RuntimeError, match='depth-wise conv'):
+        dw = make_block(dwconv=True).eval()
+        dw.fused_ffn = True
+        with torch.no_grad():
+            dw(x, (3, 4))
+    blk.fused_ffn = 'yes'
+    with pytest.raises(RuntimeError, match="fused_ffn must be None, True or False, got 'yes'"):
+        with torch.no_grad():
+            blk(x, (3, 4))
+
+
+@pytest.mark.parametrize('kind', ['pvt', 'swin'])
+def test_backbone_fused_equals_plain(kind, kernel_calls):
+    """Whole Pola backbones in eval: fused FFN (automatic) against the plain form."""
+    torch.manual_seed(0)
+    pola = dict(type='PolaLinearAttention')
+    if kind == 'pvt':
+        net = LinAttnPVT(arch=dict(embed_dims=[16, 32, 40, 64], depths=[1, 2, 1, 1],
+                                   num_heads=[1, 2, 5, 8], mlp_ratios=[2, 2, 2, 2],
+                                   sr_ratios=[8, 4, 2, 1]), attn_cfg=pola, pretrain_img_size=64)
+    else:
+        net = LinAttnSwin(arch=dict(embed_dims=24, depths=[1, 1, 2, 1], num_heads=[3, 3, 6, 12]),
+                          attn_cfg=[pola, pola, dict(type='WindowSoftmaxAttention'),
+                                    dict(type='WindowSoftmaxAttention')], pretrain_img_size=64)
+    net.eval()
+    blocks = [m for m in net.modules() if isinstance(m, TransformerBlock)]
+    x = torch.randn(2, 3, 72, 88)
+    with torch.no_grad():
+        fused = net(x)
+        assert len(kernel_calls) == len(blocks) > 4
+        for b in blocks:
+            b.fused_ffn = False
+        plain = net(x)
+    assert len(kernel_calls) == len(blocks)
+    for a, b in zip(fused, plain):
+        err = ((a - b).abs().max() / b.abs().max()).item()
+        assert err < 1e-5, err
+
+
+def test_mac_count_runs_the_plain_ffn_and_restores_the_setting():
+    """The counter names MACs after modules: the FFN's fc1 / fc2 are counted as such (the fused
+    kernel would bypass them) and every block's setting is back afterwards."""
+    from linattn_mm.flops import count_macs
+    torch.manual_seed(0)
+    net = LinAttnPVT(arch=dict(embed_dims=[16, 32, 40, 64], depths=[1, 1, 1, 1],
+                               num_heads=[1, 2, 5, 8], mlp_ratios=[2, 2, 2, 2],
+                               sr_ratios=[8, 4, 2, 1]), pretrain_img_size=64).eval()
+    blocks = [m for m in net.modules() if isinstance(m, TransformerBlock)]
+    blocks[1].fused_ffn = True
+    macs = count_macs(net, torch.randn(1, 3, 64, 64))
+    # stage 1: 16 x 16 tokens, 16 -> 32 -> 16 channels
+    assert macs.by_module['block1.0.mlp.fc1'] == 256 * 16 * 32
+    assert macs.by_module['block1.0.mlp.fc2'] == 256 * 32 * 16
+    assert 'fused_ffn' not in blocks[0].__dict__ and blocks[0].fused_ffn is None
+    assert blocks[1].fused_ffn is True
