@@ -43,6 +43,8 @@ def test_automatic_triton_failure_falls_back_to_the_torch_kernel(monkeypatch, fa
     # CPU stand-in for "CUDA inference": select Triton whenever no failure has been seen
     monkeypatch.setattr(type(m), '_use_triton', lambda self, q, k, v: self.fused == 'triton' or
                         (self.fused is None and not failures))
+    if hasattr(type(m), '_use_chunked_layer'):  # Pola's whole-layer CPU form: not on CUDA
+        monkeypatch.setattr(type(m), '_use_chunked_layer', lambda self, x: False)
     x = torch.randn(1, 16, 16)
     with torch.no_grad():
         with pytest.warns(UserWarning, match='Triton kernel failed .RuntimeError: PTX assembly '

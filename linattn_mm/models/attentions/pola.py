@@ -57,8 +57,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from linattn_mm.ops.common import call_triton, use_triton
-from linattn_mm.ops.pola import polarity_attention_fast
+from linattn_mm.ops.common import call_triton, grad_needed, use_triton
+from linattn_mm.ops.pola import polarity_attention_fast, polarity_layer_chunked
 from linattn_mm.registry import ATTENTIONS
 from ..utils.grid import resize_grid_embed
 from .base import BaseTokenMixer, merge_heads, split_heads
@@ -152,7 +152,10 @@ class PolaLinearAttention(BaseTokenMixer):
             the error and the torch kernel runs from then on. ``True``: always the torch fast kernel
             :func:`linattn_mm.ops.pola.polarity_attention_fast` (one ``pow`` per tensor, one
             query-side GEMM for both streams and both normalisers; equal to the reference up to
-            float rounding, gradients included). ``'triton'``: always the Triton kernel (an
+            float rounding, gradients included); in CPU inference (eval, no gradient, float32 /
+            float64, dynamic gate, no class tokens, ``la_sr_ratio=1``, even head dim, no autocast)
+            the whole layer then runs as :func:`linattn_mm.ops.pola.polarity_layer_chunked`, a
+            few thousand tokens at a time. ``'triton'``: always the Triton kernel (an
             error where it cannot run). ``False``: the reference :func:`polarity_attention` in
             the official order of operations (for debugging and as the test oracle).
         eps (float): added to the normaliser. Default 1e-6.
@@ -454,9 +457,40 @@ class PolaLinearAttention(BaseTokenMixer):
                     **streams)
 
     # --- forward -------------------------------------------------------------------------------
+    def _use_chunked_layer(self, x):
+        """Whether this call runs the whole layer chunk by chunk (see ``fused``)."""
+        return (self.fused in (None, True) and x.device.type == 'cpu' and not self.training
+                and x.dtype in (torch.float32, torch.float64)
+                and not torch.is_autocast_enabled('cpu') and self.gate_type == 'dynamic'
+                and not self.num_extra_tokens and self.la_sr_ratio == 1
+                and self.head_dims % 2 == 0
+                and all(t.dtype == x.dtype for t in self.parameters())
+                and not grad_needed(x, *self.parameters()))
+
+    def _forward_chunked(self, x, hw_shape):
+        C = self.embed_dims
+        if self.qkv_layout == 'qkvg':
+            w, b = self.qkvg.weight, self.qkvg.bias
+            w_q, w_kv, w_g = w[:C], w[C:3 * C], w[3 * C:]
+            b_q, b_kv, b_g = (None, ) * 3 if b is None else (b[:C], b[C:3 * C], b[3 * C:])
+        else:
+            w, b = self.qg.weight, self.qg.bias
+            w_q, w_g = w[:C], w[C:]
+            b_q, b_g = (None, None) if b is None else (b[:C], b[C:])
+            w_kv, b_kv = self.kv.weight, self.kv.bias
+        p, inv_s = self._coefficients(x.dtype)
+        pe = self.pos_enc(hw_shape).reshape(-1, C) if self.use_pos_enc else None
+        out = polarity_layer_chunked(
+            x, w_q, b_q, w_kv, b_kv, w_g, b_g, self.proj.weight, self.proj.bias, p.reshape(C),
+            None if inv_s is None else inv_s.reshape(C), pe, self.eps, self.num_heads,
+            lambda v: self._conv_term(v, hw_shape))
+        return self.proj_drop(out)
+
     def forward(self, x, hw_shape):
         self.check_input(x, hw_shape)
         hw_shape = tuple(hw_shape)
+        if self._use_chunked_layer(x):
+            return self._forward_chunked(x, hw_shape)
         q, k, v, g, kv_hw = self._project(x, hw_shape)
         e = self.num_extra_tokens
         pe = None

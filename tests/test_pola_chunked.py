@@ -1,0 +1,116 @@
+"""The chunked inference form of the whole Pola layer (:func:`linattn_mm.ops.pola.
+polarity_layer_chunked`) against the reference layer (``fused=False``: the official order of
+operations), and when ``PolaLinearAttention`` selects it (CPU inference only)."""
+import pytest
+import torch
+
+import linattn_mm.models.attentions.pola as pola_mod
+import linattn_mm.ops.pola as pola_ops
+from linattn_mm.models.attentions.pola import PolaLinearAttention
+from linattn_mm.ops.pola import polarity_layer_chunked
+from test_fast_paths import assert_rel, randomise_
+
+CASES = [
+    dict(qkv_layout='qkvg'),
+    dict(qkv_layout='qg_kv'),
+    dict(qkv_layout='qkvg', use_pos_enc=False, temperature=False),
+    dict(qkv_layout='qg_kv', qkv_bias=False),
+    dict(qkv_layout='qg_kv', heads=1, dims=16),
+]
+
+
+def pair(case, dtype):
+    case = dict(case)
+    dims, heads = case.pop('dims', 24), case.pop('heads', 3)
+    torch.manual_seed(0)
+    kw = dict(pretrain_hw=(4, 4)) if case.get('use_pos_enc', True) else {}
+    fast = PolaLinearAttention(dims, heads, **kw, **case)
+    ref = PolaLinearAttention(dims, heads, fused=False, **kw, **case)
+    randomise_(fast)
+    ref.load_state_dict(fast.state_dict())
+    return fast.to(dtype).eval(), ref.to(dtype).eval()
+
+
+@pytest.fixture
+def chunked_calls(monkeypatch):
+    calls = []
+
+    def spy(x, *args, **kwargs):
+        calls.append(tuple(x.shape))
+        return polarity_layer_chunked(x, *args, **kwargs)
+    monkeypatch.setattr(pola_mod, 'polarity_layer_chunked', spy)
+    return calls
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+@pytest.mark.parametrize('case', CASES)
+@pytest.mark.parametrize('rows', [4, 13, 10_000])  # remainders, one chunk per image
+def test_layer_equals_reference(case, dtype, rows, monkeypatch, chunked_calls):
+    monkeypatch.setattr(pola_ops, 'LAYER_CHUNK_ROWS', rows)
+    fast, ref = pair(case, dtype)
+    hw = (5, 7)  # not the pretraining grid: the position encoding is resized
+    x = torch.randn(2, 35, fast.embed_dims, dtype=dtype)
+    with torch.no_grad():
+        want = ref(x, hw)
+        got = fast(x, hw)
+        assert_rel(got, want, dtype)
+        assert_rel(fast(x, hw), want, dtype)  # cached coefficients / PE
+    assert chunked_calls == [(2, 35, fast.embed_dims)] * 2
+
+
+@pytest.mark.parametrize('case', CASES[:2])
+def test_unchunked_inference_path_still_equals_reference(case, monkeypatch, chunked_calls):
+    """The fast kernel's own inference form (used on CUDA without Triton, and for the layers the
+    chunked form does not cover) keeps its coverage for the eligible layouts too."""
+    monkeypatch.setattr(PolaLinearAttention, '_use_chunked_layer', lambda self, x: False)
+    fast, ref = pair(case, torch.float64)
+    x = torch.randn(2, 35, 24, dtype=torch.float64)
+    with torch.no_grad():
+        assert_rel(fast(x, (5, 7)), ref(x, (5, 7)), torch.float64)
+    assert chunked_calls == []
+
+
+def test_selected_only_for_cpu_inference(chunked_calls):
+    x = torch.randn(1, 20, 24)
+    fast, _ = pair(CASES[0], torch.float32)
+    with torch.no_grad():
+        fast(x, (4, 5))
+    assert len(chunked_calls) == 1
+    fast(x, (4, 5))  # parameters require grad: autograd path
+    fast.train()
+    with torch.no_grad():
+        fast(x, (4, 5))  # training mode
+    fast.eval()
+    with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16):
+        fast(x, (4, 5))
+    with torch.no_grad():
+        fast.fused = False
+        fast(x, (4, 5))
+        fast.fused = None
+        fast.half()(x.half(), (4, 5))  # only float32 / float64
+    others = [dict(qkv_layout='qkvg', gate='static'), dict(qkv_layout='qg_kv', gate='none'),
+              dict(qkv_layout='qg_kv', la_sr_ratio=2), dict(qkv_layout='qkvg', num_extra_tokens=1),
+              dict(qkv_layout='qkvg', heads=8)]  # head dim 3: odd
+    for case in others:
+        m, _ = pair(case, torch.float32)
+        e = case.get('num_extra_tokens', 0)
+        with torch.no_grad():
+            m(torch.randn(1, e + 36, 24), (6, 6))
+    assert len(chunked_calls) == 1
+    for p in fast.float().parameters():  # frozen: inference even with autograd on
+        p.requires_grad_(False)
+    fast(x, (4, 5))
+    assert len(chunked_calls) == 2
+
+
+def test_kernel_rejects_what_it_cannot_do():
+    x = torch.randn(1, 6, 6)
+    w = torch.randn(6, 6)
+    args = (w, None, torch.randn(12, 6), None, w, None, w, None, torch.ones(6), None, None, 1e-6)
+    conv = lambda v: v  # noqa: E731
+    with pytest.raises(ValueError, match='even head dim'):
+        polarity_layer_chunked(x, *args, 2, conv)
+    with pytest.raises(ValueError, match='rows must be positive'):
+        polarity_layer_chunked(x, *args, 3, conv, rows=-1)
+    with pytest.raises(RuntimeError, match='forward-only'):
+        polarity_layer_chunked(x.requires_grad_(), *args, 3, conv)
