@@ -4,7 +4,7 @@ Same maths as :class:`linattn_mm.models.attentions.nala.NormAwareLinearAttention
 (``feature_maps`` + ``apply_rope`` in the official order of operations), reorganised so that fewer
 passes over the (N, 2d) feature tensors are made:
 
-* **One exp per query element for the power.** ``|d(q)|^p = exp(p * (log|q| - log||q||))``: no
+* **One exp per query element for the power.** ``|d(q)|^p = 2^(p * (log2|q| - log2||q||))``: no
   ``q / ||q||`` tensor and no ``pow`` with a per-token tensor exponent (one scalar ``exp(p log x)``
   per element, the slowest element-wise op on CPU). The sign split is made from the signed result
   ``c``: ``relu(c)`` and ``relu(c) - c`` (exact), written into the two halves of the feature buffer.
@@ -47,8 +47,9 @@ def _query_features(q, power, grad):
         a = dq.abs().pow(p)
         pos = torch.relu(torch.copysign(a, q))
         return torch.cat([pos, a - pos], dim=-1)
-    # exp(p * (log|q| - log||q||)); q = 0 -> log 0 = -inf -> 0, as d(0)^p = 0
-    a = q.abs().log_().sub_(qn.clamp_min(1e-12).log_()).mul_(p).exp_()
+    # 2^(p * (log2|q| - log2||q||)) (CPU exp2 is ~2.5x faster than exp); q = 0 -> log2 0 = -inf
+    # -> 0, as d(0)^p = 0
+    a = q.abs().log2_().sub_(qn.clamp_min(1e-12).log2_()).mul_(p).exp2_()
     return sign_split(a.copysign_(q))
 
 

@@ -64,10 +64,11 @@ def polarity_features(x, p, inv_scale=None, grad=None, bias=None):
         return torch.cat([pos, a - pos], dim=-1)
     shape = torch.broadcast_shapes(x.shape, p.shape)
     c = _scaled_into(x, inv_scale, bias, torch.empty(shape, dtype=x.dtype, device=x.device))
-    # |c|^p as exp(p * log|c|): the vectorised exp/log are ~1.5x faster than CPU pow with a
-    # per-channel exponent (log 0 = -inf -> exp(-inf) = 0, as 0^p); ~1 ulp * |p log|c|| apart
-    # from pow. Inference only: the gradient of this form is NaN at c == 0.
-    a = c.abs().log_().mul_(p).exp_()
+    # |c|^p as 2^(p * log2|c|): the vectorised exp2/log2 are ~2x faster than CPU pow with a
+    # per-channel exponent, and CPU exp2 ~2.5x faster than exp (log2 0 = -inf -> 2^-inf = 0, as
+    # 0^p); ~1 ulp * |p log2|c|| apart from pow. Inference only: the gradient of this form is NaN
+    # at c == 0.
+    a = c.abs().log2_().mul_(p).exp2_()
     a.copysign_(c)  # signed |x/s|^p (CPU copysign is slow on strided operands: keep contiguous)
     return sign_split(a)
 
@@ -89,8 +90,8 @@ def _pos_neg_into(x, p, inv_scale, bias, c, a):
     """``relu(y)^p`` into ``c`` and ``relu(-y)^p`` into ``a`` (contiguous buffers of the broadcast
     shape), ``y = (x + bias) * inv_scale``; returns ``(c, a)``. No autograd graph."""
     _scaled_into(x, inv_scale, bias, c)
-    # |c|^p as exp(p * log|c|) (see polarity_features), then the sign of c
-    torch.abs(c, out=a).log_().mul_(p).exp_().copysign_(c)
+    # |c|^p as 2^(p * log2|c|) (see polarity_features), then the sign of c
+    torch.abs(c, out=a).log2_().mul_(p).exp2_().copysign_(c)
     pos = torch.clamp_min(a, 0, out=c)
     return pos, torch.sub(pos, a, out=a)  # relu(c) - c == relu(-c), exactly
 
