@@ -92,6 +92,35 @@ def test_window_attention_matches_direct_swin(block_idx, hw):
     torch.testing.assert_close(m(x, hw), swin_reference(m, x, H, W), rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize('block_idx,hw', [(0, (9, 11)), (1, (9, 11)), (1, (7, 7)), (1, (4, 6))])
+@pytest.mark.parametrize('group_tokens', [40, 10_000])  # 2 windows per group; all in one group
+def test_window_attention_grouped_inference_matches_direct_swin(block_idx, hw, group_tokens,
+                                                                monkeypatch):
+    """CPU inference runs the windows group by group (groups span two images here)."""
+    import linattn_mm.models.attentions.softmax as softmax_mod
+    monkeypatch.setattr(softmax_mod, 'WINDOW_GROUP_TOKENS', group_tokens)
+    calls = []
+    grouped = WindowSoftmaxAttention._grouped
+    monkeypatch.setattr(WindowSoftmaxAttention, '_grouped',
+                        lambda self, *a: calls.append(1) or grouped(self, *a))
+    torch.manual_seed(1)
+    m = WindowSoftmaxAttention(8, 2, window_size=4, block_idx=block_idx).double().eval()
+    torch.nn.init.normal_(m.relative_position_bias_table, std=1.0)
+    H, W = hw
+    x = torch.randn(3, H * W, 8, dtype=torch.float64)
+    with torch.no_grad():
+        got = m(x, hw)
+    assert calls == [1]
+    torch.testing.assert_close(got, swin_reference(m, x, H, W), rtol=1e-9, atol=1e-9)
+    m(x, hw)  # gradients needed: the plain form
+    m.train()
+    with torch.no_grad():
+        m(x, hw)  # training mode
+    with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16):
+        m.float()(x.float(), hw)
+    assert calls == [1]
+
+
 def test_window_attention_shift_option():
     assert WindowSoftmaxAttention(8, 2, window_size=4, shift=True, block_idx=0).shift_size == 2
     assert WindowSoftmaxAttention(8, 2, window_size=4, shift=False, block_idx=1).shift_size == 0

@@ -5,8 +5,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from linattn_mm.ops.common import grad_needed
 from linattn_mm.registry import ATTENTIONS
 from .base import BaseTokenMixer, merge_heads, split_heads
+
+#: tokens per group of windows in the grouped CPU inference form of the window attention
+WINDOW_GROUP_TOKENS = 4096
 
 
 @ATTENTIONS.register_module()
@@ -112,6 +116,12 @@ class WindowSoftmaxAttention(BaseTokenMixer):
             stage, ``True`` always, ``False`` never.
         block_idx (int): index of the block in its stage (given by the skeleton).
         qkv_bias (bool), qk_scale (float, optional), attn_drop, proj_drop: as in Swin.
+
+    In CPU inference (eval, no gradient needed, no autocast) the windows are processed
+    :data:`WINDOW_GROUP_TOKENS` tokens at a time (``qkv``, attention and ``proj`` of one group
+    while it is in cache, written into one output buffer), instead of making the (B·nW, n, 3C)
+    projection, the per-window bias for every window and the attention output whole. Same
+    operations per window; the result equals the plain form up to float rounding.
     """
     supports_extra_tokens = False
 
@@ -193,17 +203,64 @@ class WindowSoftmaxAttention(BaseTokenMixer):
                 + torch.arange(W, device=x.device)[None, :])[:H].reshape(-1)
         return dict(weights=full[:, :, keep][:, :, :, keep], key_hw=(H, W))
 
+    def _use_grouped(self, x):
+        """Whether this call runs the grouped CPU inference form (see the class docstring)."""
+        return (x.device.type == 'cpu' and not self.training
+                and not torch.is_autocast_enabled('cpu')
+                and all(t.dtype == x.dtype for t in self.parameters())
+                and not grad_needed(x, *self.parameters()))
+
+    def _grouped(self, x, hw_shape):
+        """Inference: windows (B·nW, n, C) of the shifted, padded grid -> attention outputs after
+        ``proj``, group by group."""
+        B, N, C = x.shape
+        H, W = hw_shape
+        ws, h, d = self.window_size, self.num_heads, self.head_dims
+        s, Hp, Wp = self._geometry(hw_shape)
+        x = x.view(B, H, W, C)
+        if Hp != H or Wp != W:
+            x = F.pad(x, (0, 0, 0, Wp - W, 0, Hp - H))
+        if s:
+            x = torch.roll(x, shifts=(-s, -s), dims=(1, 2))
+        windows = window_partition(x, ws)  # (B*nW, n, C)
+        num, n = windows.shape[:2]
+        bias = self.relative_position_bias().to(x.dtype)[None]  # (1, h, n, n)
+        mask = shift_window_mask(Hp, Wp, ws, s, x.device).to(x.dtype) if s else None
+        nW = num // B
+        out = torch.empty_like(windows)
+        w_qkv, b_qkv, w_proj, b_proj = self.qkv.weight, self.qkv.bias, self.proj.weight, \
+            self.proj.bias
+        group = max(1, WINDOW_GROUP_TOKENS // n)
+        for g0 in range(0, num, group):
+            m = min(group, num - g0)
+            qkv = F.linear(windows[g0:g0 + m].reshape(m * n, C), w_qkv, b_qkv)
+            q, k, v = qkv.view(m, n, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)  # (m, h, n, d)
+            attn_bias = bias
+            if mask is not None:  # window g has the mask of its position g % nW in the image
+                idx = torch.arange(g0, g0 + m, device=x.device) % nW
+                attn_bias = bias + mask[idx][:, None]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, scale=self.scale)
+            o = o.transpose(1, 2).reshape(m * n, C)
+            if b_proj is None:
+                torch.mm(o, w_proj.t(), out=out[g0:g0 + m].view(m * n, C))
+            else:
+                torch.addmm(b_proj, o, w_proj.t(), out=out[g0:g0 + m].view(m * n, C))
+        return out
+
     def forward(self, x, hw_shape):
         self.check_input(x, hw_shape)
         B, N, C = x.shape
         H, W = hw_shape
         ws = self.window_size
         s, Hp, Wp = self._geometry(hw_shape)
-        q, k, v, bias = self._windows(x, hw_shape)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=bias, dropout_p=self.attn_drop if self.training else 0.,
-            scale=self.scale)
-        out = self.proj_drop(self.proj(merge_heads(out)))
+        if self._use_grouped(x):
+            out = self.proj_drop(self._grouped(x, hw_shape))
+        else:
+            q, k, v, bias = self._windows(x, hw_shape)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=bias, dropout_p=self.attn_drop if self.training else 0.,
+                scale=self.scale)
+            out = self.proj_drop(self.proj(merge_heads(out)))
         x = window_reverse(out, ws, Hp, Wp)
         if s:
             x = torch.roll(x, shifts=(s, s), dims=(1, 2))
