@@ -55,8 +55,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from linattn_mm.ops.common import call_triton, use_triton
-from linattn_mm.ops.nala import nala_attention_fast
+from linattn_mm.ops.common import call_triton, grad_needed, use_triton
+from linattn_mm.ops.nala import nala_attention_fast, nala_layer_chunked
 from linattn_mm.registry import ATTENTIONS
 from .base import BaseTokenMixer
 
@@ -225,7 +225,10 @@ class NormAwareLinearAttention(_NaLaBlockMixin):
             automatic, the Triton kernel for CUDA inference, else the torch fast kernel.
             ``True``: the torch fast kernel :func:`linattn_mm.ops.nala.nala_attention_fast`
             (one ``exp`` per query element for the power, RoPE folded into the small matrices;
-            equal to the reference up to float rounding, gradients included). ``'triton'``:
+            equal to the reference up to float rounding, gradients included); in CPU inference
+            (eval, no gradient, float32 / float64, no autocast) the whole layer then runs as
+            :func:`linattn_mm.ops.nala.nala_layer_chunked`, a few thousand tokens at a time.
+            ``'triton'``:
             the Triton kernel always (forward only; CUDA, or CPU under
             ``TRITON_INTERPRET=1``). ``False``: the reference (``feature_maps`` +
             ``apply_rope`` in the official order of operations). ``kernel='paper'`` always
@@ -292,8 +295,35 @@ class NormAwareLinearAttention(_NaLaBlockMixin):
             phi_q, phi_k = apply_rope(phi_q, sin, cos), apply_rope(phi_k, sin, cos)
         return phi_q, phi_k, z
 
+    def _use_chunked_layer(self, x):
+        """Whether this call runs the whole layer chunk by chunk (see ``fused``)."""
+        return (self.use_fast_path and self.fused in (None, True) and x.device.type == 'cpu'
+                and not self.training and x.dtype in (torch.float32, torch.float64)
+                and not torch.is_autocast_enabled('cpu') and type(self.act) is nn.SiLU
+                and all(t.dtype == x.dtype for t in self.parameters())
+                and not grad_needed(x, *self.parameters()))
+
+    def _forward_chunked(self, x, hw_shape, rope):
+        B, N, C = x.shape
+        H, W = hw_shape
+        w, b = self.qkvg.weight, self.qkvg.bias
+        bq, bkv, bg = (None, ) * 3 if b is None else (b[:C], b[C:3 * C], b[3 * C:])
+        sin, cos = self._rope(hw_shape, rope, x.dtype, x.device)
+
+        def lepe(v):  # (B, N, C) is channels-last NCHW as it is: no copy on either side
+            out = F.conv2d(v.view(B, H, W, C).permute(0, 3, 1, 2), self.lepe.weight,
+                           self.lepe.bias, 1, self.lepe.padding, 1, C)
+            return out.flatten(2).transpose(1, 2)
+        out = nala_layer_chunked(
+            x, w[:C], bq, w[C:3 * C], bkv, w[3 * C:], bg, lepe, self.ln.weight, self.ln.bias,
+            self.ln.eps, self.out_proj.weight, self.out_proj.bias, self.power, self.eps, sin, cos,
+            self.num_heads)
+        return self.proj_drop(out)
+
     def forward(self, x, hw_shape, rope=None):
         self.check_input(x, hw_shape)
+        if self._use_chunked_layer(x):
+            return self._forward_chunked(x, tuple(hw_shape), rope)
         q, k, v, g, lepe = self._project(x, hw_shape)
         with _no_autocast(x.device):
             if self.use_fast_path:
