@@ -106,6 +106,18 @@ def nala_reference_core(q, k, v, lam=3., eps=1e-6, rope=None):
     return phi_q @ ((phi_k.transpose(-2, -1) * n**-0.5) @ (v * n**-0.5)) * z
 
 
+def record_calls(monkeypatch, owner, name):
+    """Replace ``owner.name`` (a function of a tensor first) by a wrapper that still runs it and
+    records the shape of that tensor; returns the list of shapes."""
+    calls, real = [], getattr(owner, name)
+
+    def spy(x, *args, **kwargs):
+        calls.append(tuple(x.shape))
+        return real(x, *args, **kwargs)
+    monkeypatch.setattr(owner, name, spy)
+    return calls
+
+
 def triton_interpret_checks(which):
     """Run tests/triton_interpret_checks.py for ``which`` ('pola' or 'nala') in a subprocess with
     ``TRITON_INTERPRET=1`` (the Triton kernels on CPU tensors); returns its case -> relative

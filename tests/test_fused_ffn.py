@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from conftest import record_calls
 
 import linattn_mm.models.utils.layers as layers
 from linattn_mm.models.backbones import LinAttnPVT, LinAttnSwin
@@ -89,13 +90,7 @@ def make_block(dwconv=False):
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    calls = []
-
-    def spy(x, *a, **kw):
-        calls.append(tuple(x.shape))
-        return ffn_residual_(x, *a, **kw)
-    monkeypatch.setattr(layers, 'ffn_residual_', spy)
-    return calls
+    return record_calls(monkeypatch, layers, 'ffn_residual_')
 
 
 def test_block_uses_kernel_in_inference_with_same_output(kernel_calls):

@@ -4,6 +4,7 @@ the official order of operations), and when ``NormAwareLinearAttention`` selects
 inference only)."""
 import pytest
 import torch
+from conftest import record_calls
 
 import linattn_mm.models.attentions.nala as nala_mod
 import linattn_mm.ops.nala as nala_ops
@@ -34,13 +35,7 @@ def rel_err(a, b):
 
 @pytest.fixture
 def chunked_calls(monkeypatch):
-    calls = []
-
-    def spy(x, *args, **kwargs):
-        calls.append(tuple(x.shape))
-        return nala_layer_chunked(x, *args, **kwargs)
-    monkeypatch.setattr(nala_mod, 'nala_layer_chunked', spy)
-    return calls
+    return record_calls(monkeypatch, nala_mod, 'nala_layer_chunked')
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
@@ -102,7 +97,7 @@ def test_kernel_rejects_what_it_cannot_do():
     w = torch.randn(6, 6)
     args = (w, None, torch.randn(12, 6), None, w, None, lambda v: v, None, None, 1e-5, w, None,
             3., 1e-6, None, None)
-    with pytest.raises(ValueError, match='do not split into 4 heads'):
+    with pytest.raises(ValueError, match='in 4 heads do not give a whole head dim'):
         nala_layer_chunked(x, *args, 4)
     with pytest.raises(ValueError, match='rows must be positive'):
         nala_layer_chunked(x, *args, 2, rows=-2)

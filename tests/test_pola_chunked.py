@@ -3,6 +3,7 @@ polarity_layer_chunked`) against the reference layer (``fused=False``: the offic
 operations), and when ``PolaLinearAttention`` selects it (CPU inference only)."""
 import pytest
 import torch
+from conftest import record_calls
 
 import linattn_mm.models.attentions.pola as pola_mod
 import linattn_mm.ops.pola as pola_ops
@@ -33,13 +34,7 @@ def pair(case, dtype):
 
 @pytest.fixture
 def chunked_calls(monkeypatch):
-    calls = []
-
-    def spy(x, *args, **kwargs):
-        calls.append(tuple(x.shape))
-        return polarity_layer_chunked(x, *args, **kwargs)
-    monkeypatch.setattr(pola_mod, 'polarity_layer_chunked', spy)
-    return calls
+    return record_calls(monkeypatch, pola_mod, 'polarity_layer_chunked')
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])

@@ -4,7 +4,7 @@ import warnings
 import torch
 
 __all__ = ['grad_needed', 'sign_split', 'TRITON_FAILURE', 'note_triton_failure', 'use_triton',
-           'call_triton']
+           'call_triton', 'linear_into', 'chunked_layer_setup']
 
 #: the first error of an automatically selected Triton call in this process; from then on the
 #: modules run their torch kernels (a failing compiler or driver never stops inference)
@@ -24,6 +24,30 @@ def grad_needed(*tensors):
     """True when autograd is on and any of ``tensors`` (None entries allowed) requires grad."""
     return torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def linear_into(inp, weight, bias, out):
+    """``inp @ weight^T (+ bias)`` written into ``out`` (no new buffer; no autograd graph)."""
+    if bias is None:
+        return torch.mm(inp, weight.t(), out=out)
+    return torch.addmm(bias, inp, weight.t(), out=out)
+
+
+def chunked_layer_setup(name, x, num_heads, rows, default_rows, even_head_dim, *params):
+    """Shapes and input checks of the chunked inference layers (:mod:`linattn_mm.ops.pola`,
+    :mod:`linattn_mm.ops.nala`): ``x`` (B, N, C) in ``num_heads`` heads, ``rows`` tokens per chunk
+    (``None``: ``default_rows``). Returns ``(B, N, C, d, rows)``."""
+    B, N, C = x.shape
+    d = C // num_heads
+    if d * num_heads != C or (even_head_dim and d % 2):
+        kind = 'an even' if even_head_dim else 'a whole'
+        raise ValueError(f'{name}: {C} channels in {num_heads} heads do not give {kind} head dim')
+    if grad_needed(x, *params):
+        raise RuntimeError(f'{name} is forward-only; a gradient is needed here')
+    rows = min(default_rows if rows is None else rows, N)
+    if rows < 1:
+        raise ValueError(f'{name}: rows must be positive, got {rows}')
+    return B, N, C, d, rows
 
 
 def sign_split(c):

@@ -28,7 +28,7 @@ relative in float32, 1e-10 in float64, gradients included).
 import torch
 import torch.nn.functional as F
 
-from .common import grad_needed, sign_split
+from .common import chunked_layer_setup, grad_needed, linear_into, sign_split
 
 __all__ = ['nala_attention_fast', 'nala_layer_chunked']
 
@@ -175,22 +175,13 @@ def nala_layer_chunked(x, w_q, b_q, w_kv, b_kv, w_g, b_g, lepe, ln_weight, ln_bi
     Returns:
         Tensor: (B, N, C).
     """
-    B, N, C = x.shape
+    B, N, C, d, rows = chunked_layer_setup('nala_layer_chunked', x, num_heads, rows,
+                                           LAYER_CHUNK_ROWS, sin is not None, w_q, w_kv, w_g,
+                                           w_out, ln_weight, sin, cos)
     h = num_heads
-    d = C // h
-    if d * h != C:
-        raise ValueError(f'nala_layer_chunked: {C} channels do not split into {h} heads')
-    if grad_needed(x, w_q, w_kv, w_g, w_out, ln_weight, sin, cos):
-        raise RuntimeError('nala_layer_chunked is forward-only; a gradient is needed here')
-    rows = min(rows or LAYER_CHUNK_ROWS, N)
-    if rows < 1:
-        raise ValueError(f'nala_layer_chunked: rows must be positive, got {rows}')
     rope = sin is not None
     F_ = 6 * d if rope else 2 * d  # query / key feature width per head
     new = x.new_empty
-
-    def linear(inp, w, b, out):
-        return torch.mm(inp, w.t(), out=out) if b is None else torch.addmm(b, inp, w.t(), out=out)
 
     # pass 1: keys and values
     v = new(B, N, C)
@@ -204,7 +195,7 @@ def nala_layer_chunked(x, w_q, b_q, w_kv, b_kv, w_g, b_g, lepe, ln_weight, ln_bi
         ks.zero_()
         for s in range(0, N, rows):
             m = min(rows, N - s)
-            kv = linear(x[b, s:s + m], w_kv, b_kv, kv_buf[:m])
+            kv = linear_into(x[b, s:s + m], w_kv, b_kv, kv_buf[:m])
             v[b, s:s + m] = kv[:, C:]
             kf = _chunk_features(kv[:, :C].view(m, h, d), power, kf_buf[:m], False,
                                  None if sin is None else sin[s:s + m],
@@ -233,7 +224,7 @@ def nala_layer_chunked(x, w_q, b_q, w_kv, b_kv, w_g, b_g, lepe, ln_weight, ln_bi
         for s in range(0, N, rows):
             m = min(rows, N - s)
             xs = x[b, s:s + m]
-            qf = _chunk_features(linear(xs, w_q, b_q, q_buf[:m]).view(m, h, d), power,
+            qf = _chunk_features(linear_into(xs, w_q, b_q, q_buf[:m]).view(m, h, d), power,
                                  kf_buf[:m], True, None if sin is None else sin[s:s + m],
                                  None if cos is None else cos[s:s + m])
             r = torch.bmm(qf.transpose(0, 1), w_ext[b], out=r_buf[:, :m])  # (h, m, d + 1)
@@ -241,6 +232,6 @@ def nala_layer_chunked(x, w_q, b_q, w_kv, b_kv, w_g, b_g, lepe, ln_weight, ln_bi
             torch.div(r[..., :d], r[..., d:].add_(eps), out=o.view(m, h, d).transpose(0, 1))
             o.add_(conv[b, s:s + m])
             o = F.layer_norm(o, (C, ), ln_weight, ln_bias, ln_eps)
-            o.mul_(F.silu(linear(xs, w_g, b_g, g_buf[:m]), inplace=True))
-            linear(o, w_out, b_out, out[b, s:s + m])
+            o.mul_(F.silu(linear_into(xs, w_g, b_g, g_buf[:m]), inplace=True))
+            linear_into(o, w_out, b_out, out[b, s:s + m])
     return out

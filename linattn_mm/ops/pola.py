@@ -32,7 +32,7 @@ rounding (tests: 1e-5 relative in float32, 1e-10 in float64, gradients included)
 """
 import torch
 
-from .common import grad_needed, sign_split
+from .common import chunked_layer_setup, grad_needed, linear_into, sign_split
 
 __all__ = ['polarity_features', 'polarity_attention_fast', 'polarity_layer_chunked']
 
@@ -233,22 +233,11 @@ def polarity_layer_chunked(x, w_q, b_q, w_kv, b_kv, w_g, b_g, w_proj, b_proj, p,
     Returns:
         Tensor: (B, N, C).
     """
-    B, N, C = x.shape
+    B, N, C, d, rows = chunked_layer_setup('polarity_layer_chunked', x, num_heads, rows,
+                                           LAYER_CHUNK_ROWS, True, w_q, w_kv, w_g, w_proj, p,
+                                           inv_scale, pe)
     h = num_heads
-    d = C // h
-    if d * h != C or d % 2:
-        raise ValueError(f'polarity_layer_chunked: {C} channels in {h} heads must give an even '
-                         'head dim')
-    if grad_needed(x, w_q, w_kv, w_g, w_proj, p, inv_scale, pe):
-        raise RuntimeError('polarity_layer_chunked is forward-only; a gradient is needed here')
-    rows = min(rows or LAYER_CHUNK_ROWS, N)
-    if rows < 1:
-        raise ValueError(f'polarity_layer_chunked: rows must be positive, got {rows}')
     new = x.new_empty
-    w_qt, w_kvt, w_gt, w_projt = w_q.t(), w_kv.t(), w_g.t(), w_proj.t()
-
-    def linear(inp, w_t, b, out):
-        return torch.mm(inp, w_t, out=out) if b is None else torch.addmm(b, inp, w_t, out=out)
 
     # pass 1: keys and values
     v = new(B, N, C)
@@ -260,7 +249,7 @@ def polarity_layer_chunked(x, w_q, b_q, w_kv, b_kv, w_g, b_g, w_proj, b_proj, p,
             t.zero_()
         for s in range(0, N, rows):
             m = min(rows, N - s)
-            kv = linear(x[b, s:s + m], w_kvt, b_kv, kv_buf[:m])
+            kv = linear_into(x[b, s:s + m], w_kv, b_kv, kv_buf[:m])
             v[b, s:s + m] = kv[:, C:]
             kp, kn = _pos_neg_into(kv[:, :C], p, inv_scale, None if pe is None else pe[s:s + m],
                                    c_buf[:m], a_buf[:m])
@@ -279,11 +268,11 @@ def polarity_layer_chunked(x, w_q, b_q, w_kv, b_kv, w_g, b_g, w_proj, b_proj, p,
         for s in range(0, N, rows):
             m = min(rows, N - s)
             xs = x[b, s:s + m]
-            qp, qn = _pos_neg_into(linear(xs, w_qt, b_q, q_buf[:m]), p, inv_scale, None,
+            qp, qn = _pos_neg_into(linear_into(xs, w_q, b_q, q_buf[:m]), p, inv_scale, None,
                                    c_buf[:m], a_buf[:m])
             r = torch.bmm(qp.view(m, h, d).transpose(0, 1), w_pos[b], out=r_buf[:, :m])
             torch.baddbmm(r, qn.view(m, h, d).transpose(0, 1), w_neg[b], out=r)
             _normalise_into(r, eps, o_buf[:m].view(m, h, d).transpose(0, 1))
-            o = o_buf[:m].add_(conv[b, s:s + m]).mul_(linear(xs, w_gt, b_g, g_buf[:m]))
-            linear(o, w_projt, b_proj, out[b, s:s + m])
+            o = o_buf[:m].add_(conv[b, s:s + m]).mul_(linear_into(xs, w_g, b_g, g_buf[:m]))
+            linear_into(o, w_proj, b_proj, out[b, s:s + m])
     return out

@@ -158,18 +158,24 @@ class WindowSoftmaxAttention(BaseTokenMixer):
             s = 0  # one window holds the whole map: no shift (as the official Swin)
         return s, H + (-H) % ws, W + (-W) % ws
 
-    def _windows(self, x, hw_shape):
-        """Tokens -> per-window q, k, v (B*nW, h, n, d) and the additive logit bias."""
+    def _window_tokens(self, x, hw_shape):
+        """Tokens (B, H*W, C) -> the windows (B*nW, n, C) of the padded, shifted grid."""
         B, N, C = x.shape
         H, W = hw_shape
-        ws = self.window_size
         s, Hp, Wp = self._geometry(hw_shape)
         x = x.view(B, H, W, C)
         if Hp != H or Wp != W:
             x = F.pad(x, (0, 0, 0, Wp - W, 0, Hp - H))
         if s:
             x = torch.roll(x, shifts=(-s, -s), dims=(1, 2))
-        windows = window_partition(x, ws)  # (B*nW, n, C)
+        return window_partition(x, self.window_size)
+
+    def _windows(self, x, hw_shape):
+        """Tokens -> per-window q, k, v (B*nW, h, n, d) and the additive logit bias."""
+        B = x.shape[0]
+        ws = self.window_size
+        s, Hp, Wp = self._geometry(hw_shape)
+        windows = self._window_tokens(x, hw_shape)  # (B*nW, n, C)
         q, k, v = split_heads(self.qkv(windows), self.num_heads * 3).chunk(3, dim=1)
         bias = self.relative_position_bias().to(q.dtype)[None]  # (1, h, n, n)
         if s:
@@ -214,15 +220,9 @@ class WindowSoftmaxAttention(BaseTokenMixer):
         """Inference: windows (B·nW, n, C) of the shifted, padded grid -> attention outputs after
         ``proj``, group by group."""
         B, N, C = x.shape
-        H, W = hw_shape
         ws, h, d = self.window_size, self.num_heads, self.head_dims
         s, Hp, Wp = self._geometry(hw_shape)
-        x = x.view(B, H, W, C)
-        if Hp != H or Wp != W:
-            x = F.pad(x, (0, 0, 0, Wp - W, 0, Hp - H))
-        if s:
-            x = torch.roll(x, shifts=(-s, -s), dims=(1, 2))
-        windows = window_partition(x, ws)  # (B*nW, n, C)
+        windows = self._window_tokens(x, hw_shape)  # (B*nW, n, C)
         num, n = windows.shape[:2]
         bias = self.relative_position_bias().to(x.dtype)[None]  # (1, h, n, n)
         mask = shift_window_mask(Hp, Wp, ws, s, x.device).to(x.dtype) if s else None
