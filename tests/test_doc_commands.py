@@ -193,13 +193,17 @@ TABLE = {
     'configs/polaformer/pola-swin-t_in1k.py --sizes 224 --batch 8 --impls official fast '
     '--compare official --threads 1 --warmup 1 --repeats 7':
         Run('benchmark_model', '--sizes 64 --batch 1 --warmup 0 --repeats 1'),
-    'python tools/benchmark.py --mode backbone pola-swin-t swin-t pola-pvt-t pvt-t nalaformer-t '
-    '--sizes 800x1344 --threads 1 --warmup 1 --repeats 3 --compare pola-swin-t:swin-t '
-    'pola-pvt-t:pvt-t nalaformer-t:swin-t':
+    'python tools/benchmark.py --mode backbone pola-swin-t swin-t linattn-swin-t pola-pvt-t pvt-t '
+    'linattn-pvt-t nalaformer-t nalaformer-t-linear --sizes 800x1344 --threads 1 --warmup 1 '
+    '--repeats 3 --compare pola-swin-t:swin-t linattn-swin-t:swin-t pola-swin-t:linattn-swin-t '
+    'pola-pvt-t:pvt-t pola-pvt-t:linattn-pvt-t nalaformer-t:swin-t nalaformer-t-linear:swin-t':
         Run('benchmark_backbone', '--sizes 64x96 --warmup 0 --repeats 1'),
-    'python tools/benchmark.py --mode backbone pola-pvt-t pola-swin-t nalaformer-t pvt-t --sizes '
+    'python tools/benchmark.py --mode backbone pola-pvt-t pola-swin-t nalaformer-t-linear --sizes '
     '1024 2048 --threads 1 --warmup 1 --repeats 2 --json scale.json --plot scale.png':
         Run('benchmark_scale', '--sizes 64 96 --warmup 0 --repeats 1; --json / --plot -> tmp'),
+    'python tools/benchmark.py --mode backbone nalaformer-t pvt-t --sizes 1024 2048 --threads 1 '
+    '--warmup 1 --repeats 2':
+        Run('benchmark_scale_softmax', '--sizes 64 96 --warmup 0 --repeats 1'),
     'python tools/benchmark.py --mode backbone global-pvt-t pola-pvt-t --sizes 256 512 --threads 1 '
     '--warmup 1 --repeats 2':
         Run('benchmark_global', '--sizes 64 96 --warmup 0 --repeats 1'),
@@ -652,13 +656,17 @@ def case_benchmark_model(sh, tmp_path):
 
 
 def case_benchmark_backbone(sh, tmp_path):
-    cmd = ('python tools/benchmark.py --mode backbone pola-swin-t swin-t pola-pvt-t pvt-t '
-           'nalaformer-t --sizes 800x1344 --threads 1 --warmup 1 --repeats 3 --compare '
-           'pola-swin-t:swin-t pola-pvt-t:pvt-t nalaformer-t:swin-t')
+    cmd = ('python tools/benchmark.py --mode backbone pola-swin-t swin-t linattn-swin-t pola-pvt-t '
+           'pvt-t linattn-pvt-t nalaformer-t nalaformer-t-linear --sizes 800x1344 --threads 1 '
+           '--warmup 1 --repeats 3 --compare pola-swin-t:swin-t linattn-swin-t:swin-t '
+           'pola-swin-t:linattn-swin-t pola-pvt-t:pvt-t pola-pvt-t:linattn-pvt-t '
+           'nalaformer-t:swin-t nalaformer-t-linear:swin-t')
     out = sh(cmd, doc_argv(cmd, values={'--sizes': ['64x96'], '--warmup': ['0'],
                                         '--repeats': ['1']}))
-    for base, name in (('swin-t', 'pola-swin-t'), ('pvt-t', 'pola-pvt-t'),
-                       ('swin-t', 'nalaformer-t')):
+    for base, name in (('swin-t', 'pola-swin-t'), ('swin-t', 'linattn-swin-t'),
+                       ('linattn-swin-t', 'pola-swin-t'), ('pvt-t', 'pola-pvt-t'),
+                       ('linattn-pvt-t', 'pola-pvt-t'), ('swin-t', 'nalaformer-t'),
+                       ('swin-t', 'nalaformer-t-linear')):
         assert f'# time ratios: {base} / this' in out
         assert re.search(_RATIO.format(name=name, impl=r'\S+', size='64x96'), out, re.M), \
             out[-3000:]
@@ -666,7 +674,7 @@ def case_benchmark_backbone(sh, tmp_path):
 
 def case_benchmark_scale(sh, tmp_path):
     import json
-    cmd = ('python tools/benchmark.py --mode backbone pola-pvt-t pola-swin-t nalaformer-t pvt-t '
+    cmd = ('python tools/benchmark.py --mode backbone pola-pvt-t pola-swin-t nalaformer-t-linear '
            '--sizes 1024 2048 --threads 1 --warmup 1 --repeats 2 --json scale.json '
            '--plot scale.png')
     js, png = tmp_path / 'scale.json', tmp_path / 'scale.png'
@@ -675,10 +683,19 @@ def case_benchmark_scale(sh, tmp_path):
                                         '--plot': [str(png)]}))
     assert png.stat().st_size > 1000
     text = json.dumps(json.loads(js.read_text()))
-    for name in ('pola-pvt-t', 'pola-swin-t', 'nalaformer-t', 'pvt-t'):
-        assert re.search(rf'^{name}\s+\S+\s+96x96\s+[\d.]+ ms', out, re.M), out[-3000:]
+    for name in ('pola-pvt-t', 'pola-swin-t', 'nalaformer-t-linear'):
+        assert re.search(rf'^{name}\s+fast\s+96x96/64x64: [\d.]+; slope', out, re.M), out[-3000:]
         assert f'"{name}' in text
     assert '"latency_ms"' in text
+
+
+def case_benchmark_scale_softmax(sh, tmp_path):
+    cmd = ('python tools/benchmark.py --mode backbone nalaformer-t pvt-t --sizes 1024 2048 '
+           '--threads 1 --warmup 1 --repeats 2')
+    out = sh(cmd, doc_argv(cmd, values={'--sizes': ['64', '96'], '--warmup': ['0'],
+                                        '--repeats': ['1']}))
+    for name in ('nalaformer-t', 'pvt-t'):
+        assert re.search(rf'^{name}\s+\S+\s+96x96/64x64: [\d.]+; slope', out, re.M), out[-3000:]
 
 
 def case_benchmark_global(sh, tmp_path):
