@@ -193,3 +193,33 @@ def test_mac_count_runs_the_plain_ffn_and_restores_the_setting():
     assert macs.by_module['block1.0.mlp.fc2'] == 256 * 32 * 16
     assert 'fused_ffn' not in blocks[0].__dict__ and blocks[0].fused_ffn is None
     assert blocks[1].fused_ffn is True
+
+
+@pytest.mark.parametrize('cin,cout,p,hw,channels_last', [(3, 16, 4, (37, 50), False),
+                                                          (8, 12, 2, (10, 14), True),
+                                                          (8, 12, 2, (9, 7), True)])
+def test_patch_embedding_gemm_form_equals_the_conv(cin, cout, p, hw, channels_last):
+    """CPU inference embeds non-overlapping patches with one GEMM on the gathered patches; the
+    strided conv (the form that runs with gradients) gives the same tokens and grid, padding at
+    the bottom/right included."""
+    from linattn_mm.models.utils.layers import PatchEmbed
+    torch.manual_seed(0)
+    pe = PatchEmbed(cin, cout, p, p).double()
+    with torch.no_grad():
+        pe.norm.weight.normal_()
+    x = torch.randn(2, cin, *hw, dtype=torch.float64)
+    if channels_last:  # a stage output: tokens viewed as NCHW
+        x = x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    calls = record_calls_method(pe)
+    with torch.no_grad():
+        got, got_hw = pe(x)
+    assert calls == [1]
+    want, want_hw = pe(x)  # parameters require grad: the conv
+    assert calls == [1] and got_hw == want_hw == (-(-hw[0] // p), -(-hw[1] // p))
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-12
+
+
+def record_calls_method(pe):
+    calls, real = [], pe._patchify
+    pe._patchify = lambda x: calls.append(1) or real(x)
+    return calls
