@@ -93,11 +93,13 @@ def test_core_mode_nala_torch_equals_reference():
 
 
 def test_set_impl_switches_the_ffn_with_the_mixers():
-    """official / reference run the plain FFN of the official code, the plugin's implementations
-    the automatic fused one, and ``--ffn plain`` keeps it plain for all."""
-    from linattn_mm.models.utils.layers import TransformerBlock
+    """official / reference run the plain FFN and the strided-conv patch embedding of the official
+    code, the plugin's implementations the automatic forms, and ``--ffn plain`` keeps the FFN plain
+    for all."""
+    from linattn_mm.models.utils.layers import PatchEmbed, TransformerBlock
     net = TOOL['build_backbone']('pola-pvt-t')
     blocks = [m for m in net.modules() if isinstance(m, TransformerBlock)]
+    embeds = [m for m in net.modules() if isinstance(m, PatchEmbed)]
     mixers = TOOL['pola_modules'](net)
     assert blocks and mixers
     for impl, ffn, want in [('official', 'auto', False), ('fast', 'auto', None),
@@ -106,3 +108,4 @@ def test_set_impl_switches_the_ffn_with_the_mixers():
         TOOL['set_impl'](net, impl, ffn)
         assert [b.fused_ffn for b in blocks] == [want] * len(blocks), (impl, ffn)
         assert all(('forward' in m.__dict__) == (impl == 'official') for m in mixers)
+        assert [m.patchify for m in embeds] == [None if impl in ('fast', 'torch') else False] * 4

@@ -215,6 +215,10 @@ def test_patch_embedding_gemm_form_equals_the_conv(cin, cout, p, hw, channels_la
         got, got_hw = pe(x)
     assert calls == [1]
     want, want_hw = pe(x)  # parameters require grad: the conv
+    pe.patchify = False
+    with torch.no_grad():
+        plain, _ = pe(x)  # switched off: the conv in inference too
+    assert torch.equal(plain, want.detach())
     assert calls == [1] and got_hw == want_hw == (-(-hw[0] // p), -(-hw[1] // p))
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-12
 

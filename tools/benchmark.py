@@ -39,7 +39,8 @@ The transformer blocks' FFN half ``x + mlp(norm2(x))`` follows the implementatio
 in-place kernel :mod:`linattn_mm.ops.ffn` in inference), ``reference`` and ``official`` run the
 plain form of the official code (``fc2(act(fc1(norm2(x))))`` plus the residual; ``fused_ffn =
 False``). ``--ffn plain`` keeps the plain form for every implementation, so that the mixers alone
-are compared.
+are compared. Likewise ``reference`` and ``official`` embed patches with the strided conv
+(``PatchEmbed.patchify = False``) instead of the plugin's GEMM form.
 
 ``--compare BASELINE`` (a target name or an implementation name, measured in the same run) prints
 time ratios ``baseline / this`` (> 1: faster than the baseline) per size.
@@ -76,7 +77,7 @@ import linattn_mm  # noqa: F401
 from linattn_mm.flops import dummy_inputs
 from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d, apply_rope
 from linattn_mm.models.attentions.pola import PolaLinearAttention
-from linattn_mm.models.utils.layers import TransformerBlock
+from linattn_mm.models.utils.layers import PatchEmbed, TransformerBlock
 from linattn_mm.utils import PeakMemoryCounter, use_heap_allocator
 from linattn_mm.utils.progress import emit, progress_bar
 
@@ -199,6 +200,8 @@ def set_impl(model, impl, ffn='auto'):
     for m in model.modules():
         if isinstance(m, TransformerBlock):
             m.fused_ffn = False if plain_ffn else None
+        elif isinstance(m, PatchEmbed):  # the official strided conv for official / reference
+            m.patchify = False if impl in ('reference', 'official') else None
     for m in pola_modules(model):
         m.__dict__.pop('forward', None)
         if impl == 'official':

@@ -171,6 +171,10 @@ class PatchEmbed(nn.Module):
     ones (PVTv2: kernel 7 stride 4 pad 3, kernel 3 stride 2 pad 1) give the same grid through padding.
     """
 
+    #: None: in CPU inference embed non-overlapping patches with one GEMM (:meth:`_patchify`);
+    #: False: always the strided conv
+    patchify = None
+
     def __init__(self, in_channels, embed_dims, kernel_size, stride, padding=0, norm=True,
                  norm_eps=1e-5):
         super().__init__()
@@ -186,7 +190,8 @@ class PatchEmbed(nn.Module):
             pad_b, pad_r = (-H) % self.stride, (-W) % self.stride
             if pad_b or pad_r:
                 x = F.pad(x, (0, pad_r, 0, pad_b))
-            if x.device.type == 'cpu' and self.proj.padding == (0, 0) \
+            if self.patchify is not False and x.device.type == 'cpu' \
+                    and self.proj.padding == (0, 0) \
                     and not torch.is_autocast_enabled('cpu') \
                     and not grad_needed(x, *self.proj.parameters()):
                 return self._patchify(x)
