@@ -62,31 +62,37 @@ class MacCount:
         return f'MacCount({self.gmacs:.4f} GMACs)'
 
 
+#: module switches of the plugin's fast forms, each turned off (False) while counting; ``fused`` only
+#: on the attention mixers (those with ``use_fast_path``)
+_FAST_FORM_FLAGS = ('fused', 'fused_ffn', 'grouped', 'patchify')
+_CLASS_DEFAULT = object()
+
+
 @contextlib.contextmanager
 def reference_cores(fn):
-    """Run the attention mixers of ``fn`` (a module) with their reference cores (``fused=False``)
-    and its transformer blocks with the plain FFN (``fused_ffn=False``), and restore the settings
-    afterwards. The fast kernels reorganise the same model (e.g. NaLa's RoPE folded into (4d, d)
-    matrices makes its two small GEMMs twice as wide while removing element-wise passes; the fused
-    FFN bypasses the ``fc1`` / ``fc2`` modules the per-module counts are named after), so the count
-    is that of the model in its official form, whatever the kernel."""
-    mods = [(m, attr) for m in fn.modules()
-            for attr in ('fused', 'fused_ffn') if hasattr(m, attr)
-            and (attr == 'fused_ffn' or hasattr(m, 'use_fast_path'))] \
+    """Run ``fn`` (a module) in its plain forms and restore the settings afterwards: the attention
+    mixers with their reference cores (``fused=False``), the transformer blocks with the plain FFN
+    (``fused_ffn=False``), the window attention ungrouped (``grouped=False``) and the patch
+    embeddings as strided convs (``patchify=False``). The fast forms reorganise the same model
+    (e.g. NaLa's RoPE folded into (4d, d) matrices makes its two small GEMMs twice as wide while
+    removing element-wise passes; the fused FFN, the grouped windows and the GEMM patch embedding
+    bypass the ``fc1`` / ``qkv`` / ``proj`` modules the per-module counts are named after), so the
+    count is that of the model in its official form, whatever the kernel."""
+    mods = [(m, attr) for m in fn.modules() for attr in _FAST_FORM_FLAGS
+            if hasattr(m, attr) and (attr != 'fused' or hasattr(m, 'use_fast_path'))] \
         if isinstance(fn, torch.nn.Module) else []
-    # fused_ffn is a class default unless set on the instance: restore it by deleting
-    saved = [(getattr(m, attr), attr == 'fused_ffn' and attr not in m.__dict__)
-             for m, attr in mods]
+    # a flag that is a class default (not set on the instance) is restored by deleting it
+    saved = [m.__dict__.get(attr, _CLASS_DEFAULT) for m, attr in mods]
     try:
         for m, attr in mods:
             setattr(m, attr, False)
         yield
     finally:
-        for (m, attr), (f, class_default) in zip(mods, saved):
-            if class_default:
+        for (m, attr), value in zip(mods, saved):
+            if value is _CLASS_DEFAULT:
                 delattr(m, attr)
             else:
-                setattr(m, attr, f)
+                setattr(m, attr, value)
 
 
 def count_macs(fn, *args, **kwargs):

@@ -227,3 +227,26 @@ def record_calls_method(pe):
     calls, real = [], pe._patchify
     pe._patchify = lambda x: calls.append(1) or real(x)
     return calls
+
+
+def test_mac_count_names_the_window_and_patch_embedding_modules():
+    """The grouped window attention and the GEMM patch embedding bypass ``qkv`` / ``proj``; the
+    counter runs their plain forms, so the per-module counts keep those names, and the settings
+    are back afterwards."""
+    from linattn_mm.flops import count_macs
+    from linattn_mm.models.attentions.softmax import WindowSoftmaxAttention
+    from linattn_mm.models.utils.layers import PatchEmbed
+    net = LinAttnSwin(arch=dict(embed_dims=24, depths=[1, 1, 2, 1], num_heads=[3, 3, 6, 12]),
+                      attn_cfg=dict(type='WindowSoftmaxAttention'), pretrain_img_size=64).eval()
+    windows = [m for m in net.modules() if isinstance(m, WindowSoftmaxAttention)]
+    windows[1].grouped = False
+    macs = count_macs(net, torch.randn(1, 3, 64, 64))
+    # 16 x 16 tokens of 24 channels from 4 x 4 patches of 3 channels; the window-7 attention
+    # projects the grid padded to 21 x 21
+    assert macs.by_module['patch_embed.proj'] == 256 * 24 * 3 * 16
+    assert macs.by_module['layers.0.blocks.0.attn.qkv'] == 441 * 24 * 72
+    assert macs.by_module['layers.0.blocks.0.attn.proj'] == 441 * 24 * 24
+    assert 'grouped' not in windows[0].__dict__ and windows[0].grouped is None
+    assert windows[1].grouped is False
+    pe = net.patch_embed
+    assert isinstance(pe, PatchEmbed) and 'patchify' not in pe.__dict__ and pe.patchify is None

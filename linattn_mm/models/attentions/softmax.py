@@ -121,9 +121,11 @@ class WindowSoftmaxAttention(BaseTokenMixer):
     :data:`WINDOW_GROUP_TOKENS` tokens at a time (``qkv``, attention and ``proj`` of one group
     while it is in cache, written into one output buffer), instead of making the (B·nW, n, 3C)
     projection, the per-window bias for every window and the attention output whole. Same
-    operations per window; the result equals the plain form up to float rounding.
+    operations per window; the result equals the plain form up to float rounding. Attribute
+    ``grouped`` (default None, automatic): ``False`` keeps the plain form.
     """
     supports_extra_tokens = False
+    grouped = None
 
     def __init__(self, embed_dims, num_heads, window_size=7, shift='alternate', block_idx=0,
                  qkv_bias=True, qk_scale=None, attn_drop=0., proj_drop=0., init_cfg=None):
@@ -211,7 +213,7 @@ class WindowSoftmaxAttention(BaseTokenMixer):
 
     def _use_grouped(self, x):
         """Whether this call runs the grouped CPU inference form (see the class docstring)."""
-        return (x.device.type == 'cpu' and not self.training
+        return (self.grouped is not False and x.device.type == 'cpu' and not self.training
                 and not torch.is_autocast_enabled('cpu')
                 and all(t.dtype == x.dtype for t in self.parameters())
                 and not grad_needed(x, *self.parameters()))
