@@ -120,8 +120,9 @@ def test_nalaformer_inference_form_equals_plain_form(attn_types, monkeypatch):
             if name.endswith('gamma_1') or name.endswith('gamma_2'):
                 p.uniform_(0.5, 1.5)
     inference = []
-    real = nf._inference
-    monkeypatch.setattr(nf, '_inference', lambda m, x: inference.append(real(m, x)) or real(m, x))
+    real = nf.inference_call
+    monkeypatch.setattr(nf, 'inference_call',
+                        lambda m, x: inference.append(real(m, x)) or real(m, x))
     x = torch.randn(1, 3, 70, 90, dtype=torch.float64)
     with torch.no_grad():
         fast = net(x)

@@ -4,7 +4,8 @@ import warnings
 import torch
 
 __all__ = ['grad_needed', 'sign_split', 'TRITON_FAILURE', 'note_triton_failure', 'use_triton',
-           'call_triton', 'linear_into', 'chunked_layer_setup']
+           'call_triton', 'linear_into', 'chunked_layer_setup', 'inference_call',
+           'cpu_inference_call']
 
 #: the first error of an automatically selected Triton call in this process; from then on the
 #: modules run their torch kernels (a failing compiler or driver never stops inference)
@@ -24,6 +25,20 @@ def grad_needed(*tensors):
     """True when autograd is on and any of ``tensors`` (None entries allowed) requires grad."""
     return torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def inference_call(module, x):
+    """True when ``module`` processes ``x`` in inference: eval mode, no autocast on the device of
+    ``x``, and no gradient needed for ``x`` or the module's parameters (the condition of the
+    in-place and in-cache inference forms)."""
+    return (not module.training and not torch.is_autocast_enabled(x.device.type)
+            and not grad_needed(x, *module.parameters()))
+
+
+def cpu_inference_call(module, x):
+    """:func:`inference_call` on CPU, with every parameter of the module in the dtype of ``x``."""
+    return (x.device.type == 'cpu' and all(t.dtype == x.dtype for t in module.parameters())
+            and inference_call(module, x))
 
 
 def linear_into(inp, weight, bias, out):

@@ -55,7 +55,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from linattn_mm.ops.common import call_triton, grad_needed, use_triton
+from linattn_mm.ops.common import call_triton, cpu_inference_call, use_triton
 from linattn_mm.ops.nala import nala_attention_fast, nala_layer_chunked
 from linattn_mm.registry import ATTENTIONS
 from .base import BaseTokenMixer
@@ -297,11 +297,9 @@ class NormAwareLinearAttention(_NaLaBlockMixin):
 
     def _use_chunked_layer(self, x):
         """Whether this call runs the whole layer chunk by chunk (see ``fused``)."""
-        return (self.use_fast_path and self.fused in (None, True) and x.device.type == 'cpu'
-                and not self.training and x.dtype in (torch.float32, torch.float64)
-                and not torch.is_autocast_enabled('cpu') and type(self.act) is nn.SiLU
-                and all(t.dtype == x.dtype for t in self.parameters())
-                and not grad_needed(x, *self.parameters()))
+        return (self.use_fast_path and self.fused in (None, True)
+                and x.dtype in (torch.float32, torch.float64) and type(self.act) is nn.SiLU
+                and cpu_inference_call(self, x))
 
     def _forward_chunked(self, x, hw_shape, rope):
         B, N, C = x.shape

@@ -57,7 +57,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from linattn_mm.ops.common import call_triton, grad_needed, use_triton
+from linattn_mm.ops.common import call_triton, cpu_inference_call, use_triton
 from linattn_mm.ops.pola import polarity_attention_fast, polarity_layer_chunked
 from linattn_mm.registry import ATTENTIONS
 from ..utils.grid import resize_grid_embed
@@ -459,13 +459,10 @@ class PolaLinearAttention(BaseTokenMixer):
     # --- forward -------------------------------------------------------------------------------
     def _use_chunked_layer(self, x):
         """Whether this call runs the whole layer chunk by chunk (see ``fused``)."""
-        return (self.fused in (None, True) and x.device.type == 'cpu' and not self.training
-                and x.dtype in (torch.float32, torch.float64)
-                and not torch.is_autocast_enabled('cpu') and self.gate_type == 'dynamic'
-                and not self.num_extra_tokens and self.la_sr_ratio == 1
-                and self.head_dims % 2 == 0
-                and all(t.dtype == x.dtype for t in self.parameters())
-                and not grad_needed(x, *self.parameters()))
+        return (self.fused in (None, True) and x.dtype in (torch.float32, torch.float64)
+                and self.gate_type == 'dynamic' and not self.num_extra_tokens
+                and self.la_sr_ratio == 1 and self.head_dims % 2 == 0
+                and cpu_inference_call(self, x))
 
     def _forward_chunked(self, x, hw_shape):
         C = self.embed_dims

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from linattn_mm.ops.common import grad_needed
+from linattn_mm.ops.common import cpu_inference_call, linear_into
 from linattn_mm.registry import ATTENTIONS
 from .base import BaseTokenMixer, merge_heads, split_heads
 
@@ -213,10 +213,7 @@ class WindowSoftmaxAttention(BaseTokenMixer):
 
     def _use_grouped(self, x):
         """Whether this call runs the grouped CPU inference form (see the class docstring)."""
-        return (self.grouped is not False and x.device.type == 'cpu' and not self.training
-                and not torch.is_autocast_enabled('cpu')
-                and all(t.dtype == x.dtype for t in self.parameters())
-                and not grad_needed(x, *self.parameters()))
+        return self.grouped is not False and cpu_inference_call(self, x)
 
     def _grouped(self, x, hw_shape):
         """Inference: windows (B·nW, n, C) of the shifted, padded grid -> attention outputs after
@@ -230,23 +227,18 @@ class WindowSoftmaxAttention(BaseTokenMixer):
         mask = shift_window_mask(Hp, Wp, ws, s, x.device).to(x.dtype) if s else None
         nW = num // B
         out = torch.empty_like(windows)
-        w_qkv, b_qkv, w_proj, b_proj = self.qkv.weight, self.qkv.bias, self.proj.weight, \
-            self.proj.bias
         group = max(1, WINDOW_GROUP_TOKENS // n)
         for g0 in range(0, num, group):
             m = min(group, num - g0)
-            qkv = F.linear(windows[g0:g0 + m].reshape(m * n, C), w_qkv, b_qkv)
+            qkv = self.qkv(windows[g0:g0 + m].reshape(m * n, C))
             q, k, v = qkv.view(m, n, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)  # (m, h, n, d)
             attn_bias = bias
             if mask is not None:  # window g has the mask of its position g % nW in the image
                 idx = torch.arange(g0, g0 + m, device=x.device) % nW
                 attn_bias = bias + mask[idx][:, None]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, scale=self.scale)
-            o = o.transpose(1, 2).reshape(m * n, C)
-            if b_proj is None:
-                torch.mm(o, w_proj.t(), out=out[g0:g0 + m].view(m * n, C))
-            else:
-                torch.addmm(b_proj, o, w_proj.t(), out=out[g0:g0 + m].view(m * n, C))
+            linear_into(o.transpose(1, 2).reshape(m * n, C), self.proj.weight, self.proj.bias,
+                        out[g0:g0 + m].view(m * n, C))
         return out
 
     def forward(self, x, hw_shape):

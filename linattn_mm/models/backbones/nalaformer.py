@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.utils.checkpoint as cp
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from linattn_mm.ops.common import grad_needed
+from linattn_mm.ops.common import inference_call
 from linattn_mm.registry import register_backbone
 from ..attentions.base import build_attention
 from ..attentions.nala import RoPE2d
@@ -69,13 +69,6 @@ class ConvPatchMerging(nn.Module):
         return self.norm(self.reduction(x))
 
 
-def _inference(module, x):
-    """Eval mode, no gradient needed, no autocast: the blocks may then add their residuals in place
-    on the fresh branch outputs (same sums, fewer full-size buffers)."""
-    return (not module.training and not torch.is_autocast_enabled(x.device.type)
-            and not grad_needed(x, *module.parameters()))
-
-
 class ConvFFN(nn.Module):
     """``fc2(dwconv(gelu(fc1(x))) + gelu(fc1(x)))`` on an NCHW map (keys ``fc1``, ``dwconv``,
     ``fc2``)."""
@@ -89,7 +82,7 @@ class ConvFFN(nn.Module):
         self.drop = nn.Dropout(drop)
 
     def forward(self, x):
-        if type(self.act) is nn.GELU and _inference(self, x):  # activation and sum in place
+        if type(self.act) is nn.GELU and inference_call(self, x):  # activation and sum in place
             x = torch.ops.aten.gelu_(self.fc1(x.permute(0, 2, 3, 1)),
                                      approximate=self.act.approximate).permute(0, 3, 1, 2)
             return self.fc2(self.dwconv(x).add_(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
@@ -145,7 +138,7 @@ class NaLaBlock(nn.Module):
         return t.transpose(1, 2).reshape(B, C, H, W)
 
     def forward(self, x, rope=None):
-        if _inference(self, x):  # the residual sums in place on the fresh branch outputs
+        if inference_call(self, x):  # the residual sums in place on the fresh branch outputs
             x = self.cpe1(x).add_(x)
             a = self._mix(x, rope)
             x = (a.mul_(self.gamma_1) if self.layer_scale else a).add_(x)
