@@ -107,13 +107,15 @@ def nala_reference_core(q, k, v, lam=3., eps=1e-6, rope=None):
 
 
 def record_calls(monkeypatch, owner, name):
-    """Replace ``owner.name`` (a function of a tensor first) by a wrapper that still runs it and
-    records the shape of that tensor; returns the list of shapes."""
+    """Replace ``owner.name`` (a function, or a method when ``owner`` is a class) by a wrapper that
+    still runs it and records the shape of its first tensor argument; returns the list of
+    shapes."""
+    import torch
     calls, real = [], getattr(owner, name)
 
-    def spy(x, *args, **kwargs):
-        calls.append(tuple(x.shape))
-        return real(x, *args, **kwargs)
+    def spy(*args, **kwargs):
+        calls.append(next(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))
+        return real(*args, **kwargs)
     monkeypatch.setattr(owner, name, spy)
     return calls
 

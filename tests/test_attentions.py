@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import record_calls
 from linattn_mm.models.attentions import (GlobalSoftmaxAttention, SRSoftmaxAttention,
                                           WindowSoftmaxAttention, build_attention,
                                           list_attentions)
@@ -99,10 +100,7 @@ def test_window_attention_grouped_inference_matches_direct_swin(block_idx, hw, g
     """CPU inference runs the windows group by group (groups span two images here)."""
     import linattn_mm.models.attentions.softmax as softmax_mod
     monkeypatch.setattr(softmax_mod, 'WINDOW_GROUP_TOKENS', group_tokens)
-    calls = []
-    grouped = WindowSoftmaxAttention._grouped
-    monkeypatch.setattr(WindowSoftmaxAttention, '_grouped',
-                        lambda self, *a: calls.append(1) or grouped(self, *a))
+    calls = record_calls(monkeypatch, WindowSoftmaxAttention, '_grouped')
     torch.manual_seed(1)
     m = WindowSoftmaxAttention(8, 2, window_size=4, block_idx=block_idx).double().eval()
     torch.nn.init.normal_(m.relative_position_bias_table, std=1.0)
@@ -110,7 +108,7 @@ def test_window_attention_grouped_inference_matches_direct_swin(block_idx, hw, g
     x = torch.randn(3, H * W, 8, dtype=torch.float64)
     with torch.no_grad():
         got = m(x, hw)
-    assert calls == [1]
+    assert calls == [(3, H * W, 8)]
     torch.testing.assert_close(got, swin_reference(m, x, H, W), rtol=1e-9, atol=1e-9)
     m(x, hw)  # gradients needed: the plain form
     m.train()
@@ -118,7 +116,7 @@ def test_window_attention_grouped_inference_matches_direct_swin(block_idx, hw, g
         m(x, hw)  # training mode
     with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16):
         m.float()(x.float(), hw)
-    assert calls == [1]
+    assert calls == [(3, H * W, 8)]
 
 
 def test_window_attention_shift_option():

@@ -198,7 +198,7 @@ def test_mac_count_runs_the_plain_ffn_and_restores_the_setting():
 @pytest.mark.parametrize('cin,cout,p,hw,channels_last', [(3, 16, 4, (37, 50), False),
                                                           (8, 12, 2, (10, 14), True),
                                                           (8, 12, 2, (9, 7), True)])
-def test_patch_embedding_gemm_form_equals_the_conv(cin, cout, p, hw, channels_last):
+def test_patch_embedding_gemm_form_equals_the_conv(cin, cout, p, hw, channels_last, monkeypatch):
     """CPU inference embeds non-overlapping patches with one GEMM on the gathered patches; the
     strided conv (the form that runs with gradients) gives the same tokens and grid, padding at
     the bottom/right included."""
@@ -210,23 +210,18 @@ def test_patch_embedding_gemm_form_equals_the_conv(cin, cout, p, hw, channels_la
     x = torch.randn(2, cin, *hw, dtype=torch.float64)
     if channels_last:  # a stage output: tokens viewed as NCHW
         x = x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
-    calls = record_calls_method(pe)
+    calls = record_calls(monkeypatch, pe, '_patchify')
+    padded = (2, cin, -(-hw[0] // p) * p, -(-hw[1] // p) * p)  # what the GEMM form receives
     with torch.no_grad():
         got, got_hw = pe(x)
-    assert calls == [1]
+    assert calls == [padded]
     want, want_hw = pe(x)  # parameters require grad: the conv
     pe.patchify = False
     with torch.no_grad():
         plain, _ = pe(x)  # switched off: the conv in inference too
     assert torch.equal(plain, want.detach())
-    assert calls == [1] and got_hw == want_hw == (-(-hw[0] // p), -(-hw[1] // p))
+    assert calls == [padded] and got_hw == want_hw == (-(-hw[0] // p), -(-hw[1] // p))
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-12
-
-
-def record_calls_method(pe):
-    calls, real = [], pe._patchify
-    pe._patchify = lambda x: calls.append(1) or real(x)
-    return calls
 
 
 def test_mac_count_names_the_window_and_patch_embedding_modules():

@@ -9,7 +9,7 @@ import torch
 
 import linattn_mm.ops.nala_triton as nt
 from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d
-from conftest import nala_reference_core, triton_interpret_checks
+from conftest import nala_reference_core, record_calls, triton_interpret_checks
 
 pytestmark = pytest.mark.skipif(nt.triton is None, reason='Triton is not installed')
 
@@ -68,13 +68,7 @@ def test_module_options_are_checked():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
 def test_cuda_kernel_is_selected_and_matches(monkeypatch, dtype):
-    calls = []
-    real = nt.nala_attention_triton
-
-    def spy(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-    monkeypatch.setattr(nt, 'nala_attention_triton', spy)
+    calls = record_calls(monkeypatch, nt, 'nala_attention_triton')
     B, h, (H, W), d = 2, 2, (64, 64), 32
     g = torch.Generator(device='cuda').manual_seed(0)
     q, k, v = (torch.randn(B, h, H * W, d, device='cuda', generator=g).to(dtype)

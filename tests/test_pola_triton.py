@@ -9,7 +9,7 @@ import torch
 
 import linattn_mm.ops.pola_triton as pt
 from linattn_mm.models.attentions.pola import PolaLinearAttention, polarity_attention
-from conftest import triton_interpret_checks
+from conftest import record_calls, triton_interpret_checks
 
 pytestmark = pytest.mark.skipif(pt.triton is None, reason='Triton is not installed')
 
@@ -54,13 +54,7 @@ def test_bad_inputs_are_named():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
 def test_cuda_kernel_is_selected_and_matches(monkeypatch, dtype):
-    calls = []
-    real = pt.polarity_attention_triton
-
-    def spy(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-    monkeypatch.setattr('linattn_mm.ops.pola_triton.polarity_attention_triton', spy)
+    calls = record_calls(monkeypatch, pt, 'polarity_attention_triton')
     B, h, N, d = 2, 3, 4096, 32
     g = torch.Generator(device='cuda').manual_seed(0)
     q, k, v = (torch.randn(B, h, N, d, device='cuda', generator=g).to(dtype) for _ in range(3))
