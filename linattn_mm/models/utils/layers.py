@@ -202,7 +202,6 @@ class PatchEmbed(nn.Module):
             x = self.norm(x)
         return x, hw
 
-
     def _patchify(self, x):
         """Non-overlapping embedding in CPU inference as one GEMM on the gathered patches (the
         same sums as the strided conv; CPU convolution of a channels-last map, as the stage
