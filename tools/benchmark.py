@@ -75,7 +75,7 @@ import torch.nn.functional as F
 
 import linattn_mm  # noqa: F401
 from linattn_mm.flops import dummy_inputs
-from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d, apply_rope
+from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d
 from linattn_mm.models.attentions.pola import PolaLinearAttention
 from linattn_mm.models.utils.layers import PatchEmbed, TransformerBlock
 from linattn_mm.utils import PeakMemoryCounter, use_heap_allocator
@@ -602,13 +602,11 @@ def nala_core_function(impl, q, k, v, sin, cos, eps=1e-6):
     if impl == 'torch':
         return lambda: nala_attention_fast(q.to(work), k.to(work), v.to(work), 3., eps, sin, cos)
     if impl == 'reference':
-        m = NormAwareLinearAttention(q.shape[1] * q.shape[-1], q.shape[1], fused=False)
+        m = NormAwareLinearAttention(q.shape[1] * q.shape[-1], q.shape[1], eps=eps, fused=False)
 
-        def reference():
+        def reference():  # the module's reference core: features, normaliser, RoPE, then kv
             qq, kk, vv = q.to(work), k.to(work), v.to(work)
-            phi_q, phi_k = m.feature_maps(qq, kk)
-            z = 1.0 / (phi_q @ phi_k.mean(dim=-2, keepdim=True).transpose(-2, -1) + eps)
-            phi_q, phi_k = apply_rope(phi_q, sin, cos), apply_rope(phi_k, sin, cos)
+            phi_q, phi_k, z = m._numerator_features(qq, kk, None, (sin, cos))
             n = kk.shape[-2]
             return (phi_q @ ((phi_k.transpose(-2, -1) * n ** -0.5) @ (vv * n ** -0.5))) * z
         return reference
