@@ -103,32 +103,3 @@ def test_kernel_rejects_what_it_cannot_do():
         nala_layer_chunked(x, *args, 2, rows=-2)
     with pytest.raises(RuntimeError, match='forward-only'):
         nala_layer_chunked(x.requires_grad_(), *args, 2)
-
-
-@pytest.mark.parametrize('attn_types', ['nala', ('nala', 'nala', 'softmax', 'softmax')])
-def test_nalaformer_inference_form_equals_plain_form(attn_types, monkeypatch):
-    """In eval without gradients the NaLaFormer blocks add their residuals in place and the
-    ConvFFN runs its activation in place; the plain form (taken here with autograd on) gives the
-    same maps, layer scale included."""
-    from linattn_mm.models.backbones import nalaformer as nf
-    arch = dict(embed_dims=[16, 32, 32, 64], depths=[1, 2, 1, 1], num_heads=[1, 2, 2, 4],
-                mlp_ratios=[2, 2, 2, 2], layer_scale_init_values=[0.5] * 4)
-    torch.manual_seed(0)
-    net = nf.NaLaFormer(arch=arch, attn_types=attn_types).double().eval()
-    with torch.no_grad():
-        for name, p in net.named_parameters():
-            if name.endswith('gamma_1') or name.endswith('gamma_2'):
-                p.uniform_(0.5, 1.5)
-    inference = []
-    real = nf.inference_call
-    monkeypatch.setattr(nf, 'inference_call',
-                        lambda m, x: inference.append(real(m, x)) or real(m, x))
-    x = torch.randn(1, 3, 70, 90, dtype=torch.float64)
-    with torch.no_grad():
-        fast = net(x)
-    assert inference and all(inference)
-    inference.clear()
-    plain = net(x)  # parameters require grad: the plain form
-    assert inference and not any(inference)
-    for a, b in zip(fast, plain):
-        assert rel_err(a, b.detach()) < 1e-12

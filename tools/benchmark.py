@@ -78,6 +78,7 @@ from linattn_mm.flops import dummy_inputs
 from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d
 from linattn_mm.models.attentions.pola import PolaLinearAttention
 from linattn_mm.models.utils.layers import PatchEmbed, TransformerBlock
+from linattn_mm.models.backbones.nalaformer import NaLaBlock
 from linattn_mm.utils import PeakMemoryCounter, use_heap_allocator
 from linattn_mm.utils.progress import emit, progress_bar
 
@@ -198,7 +199,7 @@ def set_impl(model, impl, ffn='auto'):
     blocks' FFN half is fused for the plugin's fast implementations unless ``ffn='plain'``."""
     plain_ffn = ffn == 'plain' or impl in ('reference', 'official')
     for m in model.modules():
-        if isinstance(m, TransformerBlock):
+        if isinstance(m, (TransformerBlock, NaLaBlock)):
             m.fused_ffn = False if plain_ffn else None
         elif isinstance(m, PatchEmbed):  # the official strided conv for official / reference
             m.patchify = False if impl in ('reference', 'official') else None

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from .common import linear_into
 
-__all__ = ['ffn_residual_', 'CPU_CHUNK_ROWS']
+__all__ = ['ffn_residual_', 'conv_ffn_residual_', 'CPU_CHUNK_ROWS', 'CPU_BAND_TOKENS']
 
 #: tokens per chunk on CPU (measured, one thread, fp32, hidden 384-3072: 512-2048 rows are
 #: equally fast, 256 and whole-tensor chunks slower)
@@ -63,4 +63,85 @@ def ffn_residual_(x, norm_weight, norm_bias, eps, w1, b1, w2, b2, approximate='n
         linear_into(n, w1, b1, h_buf)
         torch.ops.aten.gelu_(h_buf, approximate=approximate)
         xs.add_(linear_into(h_buf, w2, b2, y_buf))
+    return x
+
+
+#: tokens per row band of :func:`conv_ffn_residual_` on CPU (at least one row per band)
+CPU_BAND_TOKENS = 2048
+
+
+def _hidden_rows_(x_rows, norm_weight, norm_bias, eps, w1, b1, approximate, out):
+    """``gelu(fc1(layer_norm(x_rows)))`` of whole image rows (r, W, C) into ``out`` (r, W, hidden),
+    the activation in place."""
+    C = x_rows.shape[-1]
+    n = F.layer_norm(x_rows.reshape(-1, C), (C, ), norm_weight, norm_bias, eps)
+    linear_into(n, w1, b1, out.view(n.shape[0], -1))
+    return torch.ops.aten.gelu_(out, approximate=approximate)
+
+
+def conv_ffn_residual_(x, norm_weight, norm_bias, eps, w1, b1, dw_weight, dw_bias, w2, b2,
+                       scale=None, approximate='none', rows=None):
+    """In place on a channels-last map: ``x += scale * fc2(h + dwconv(h))`` with
+    ``h = gelu(fc1(layer_norm(x)))`` over the channels (NaLaFormer's ConvFFN half of a block),
+    ``rows`` image rows at a time.
+
+    The plain form makes four maps of the hidden width (``fc1``, ``gelu``, the conv, the sum), each
+    ``r`` times the size of ``x``. Here each band of rows keeps its hidden rows in one buffer with
+    a row above and below (the conv's reach). The rows shared by neighbouring bands are carried
+    over, not recomputed, so every hidden row is computed once and from ``x`` before that row's
+    update; the image's top and bottom borders are zero rows, the left and right ones the conv's
+    padding.
+
+    Args:
+        x (Tensor): (B, C, H, W) with channels-last memory (a contiguous (B, H, W, C) buffer
+            viewed as NCHW); updated in place and returned.
+        norm_weight, norm_bias (Tensor | None), eps (float): the LayerNorm over C.
+        w1, b1 (Tensor): ``fc1`` (hidden, C), (hidden, ) or None.
+        dw_weight, dw_bias (Tensor): the depth-wise 3 x 3 conv (hidden, 1, 3, 3), (hidden, ) or
+            None (stride 1, padding 1).
+        w2, b2 (Tensor): ``fc2`` (C, hidden), (C, ) or None.
+        scale (Tensor, optional): the layer scale (C, ) applied to the branch before the sum.
+        approximate (str): the GELU's ``approximate``.
+        rows (int, optional): image rows per band; default :data:`CPU_BAND_TOKENS` tokens' worth
+            (at least one row).
+    """
+    B, C, H, W = x.shape
+    hidden = w1.shape[0]
+    if not x.is_contiguous(memory_format=torch.channels_last) or x.stride(0) != H * W * C:
+        raise ValueError('conv_ffn_residual_: x must be a channels-last (B, H, W, C) buffer viewed '
+                         'as (B, C, H, W) (it is updated in place)')
+    if w1.shape != (hidden, C) or w2.shape != (C, hidden) or dw_weight.shape != (hidden, 1, 3, 3):
+        raise ValueError(f'conv_ffn_residual_: fc1 {tuple(w1.shape)}, dwconv '
+                         f'{tuple(dw_weight.shape)} and fc2 {tuple(w2.shape)} do not make a '
+                         f'{C}-channel ConvFFN with a depth-wise 3 x 3 conv')
+    R = max(CPU_BAND_TOKENS // max(W, 1), 1) if rows is None else rows
+    if R < 1:
+        raise ValueError(f'conv_ffn_residual_: rows must be positive, got {R}')
+    R = min(R, H)
+    xr = x.permute(0, 2, 3, 1)  # (B, H, W, C), contiguous
+    hbuf = x.new_empty(R + 2, W, hidden)  # hidden rows r0 - 1 .. r0 + R
+    y = x.new_empty(R * W, C)
+    hidden_args = (norm_weight, norm_bias, eps, w1, b1, approximate)
+    for b in range(B):
+        hbuf[0].zero_()  # above the top row
+        _hidden_rows_(xr[b, :min(R + 1, H)], *hidden_args, hbuf[1:min(R + 1, H) + 1])
+        for r0 in range(0, H, R):
+            m = min(R, H - r0)
+            if r0 > 0:  # carry rows r0 - 1 and r0 over from the band above, then rows r0 + 1 ..
+                hbuf[0] = hbuf[R]  # one row at a time: with R = 1 the ranges overlap
+                hbuf[1] = hbuf[R + 1]
+                end = min(r0 + m + 1, H)
+                if end > r0 + 1:
+                    _hidden_rows_(xr[b, r0 + 1:end], *hidden_args, hbuf[2:end - r0 + 1])
+            if r0 + m == H:  # below the bottom row
+                hbuf[m + 1].zero_()
+            # (1, hidden, m + 2, W) with channels-last strides, the batch stride included (the
+            # convs copy any other layout to NCHW)
+            hb = hbuf[:m + 2].unsqueeze(0).permute(0, 3, 1, 2)
+            c = F.conv2d(hb, dw_weight, dw_bias, 1, (0, 1), 1, hidden)  # (1, hidden, m, W)
+            c = c.add_(hb[:, :, 1:m + 1]).permute(0, 2, 3, 1).reshape(m * W, hidden)
+            out = linear_into(c, w2, b2, y[:m * W])
+            if scale is not None:
+                out.mul_(scale)
+            xr[b, r0:r0 + m].add_(out.view(m, W, C))
     return x

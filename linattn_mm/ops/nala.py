@@ -130,10 +130,10 @@ def _chunk_features(x, power, out, query, sin=None, cos=None):
         a = torch.abs(x, out=neg).pow_(power).mul_(x.sign())
     torch.clamp_min(a, 0, out=pos)
     torch.sub(pos, a, out=neg)  # relu(a) - a == relu(-a), exactly
-    if sin is not None:
-        f = out[..., :2 * d]
-        torch.mul(f, cos.repeat(1, 2)[:, None], out=out[..., 2 * d:4 * d])
-        torch.mul(f, sin.repeat(1, 2)[:, None], out=out[..., 4 * d:])
+    if sin is not None:  # both signs times the token's cos / sin, broadcast (no repeated copy)
+        f = out[..., :2 * d].unflatten(-1, (2, d))
+        torch.mul(f, cos[:, None, None], out=out[..., 2 * d:4 * d].unflatten(-1, (2, d)))
+        torch.mul(f, sin[:, None, None], out=out[..., 4 * d:].unflatten(-1, (2, d)))
     return out
 
 

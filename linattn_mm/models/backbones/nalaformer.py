@@ -13,7 +13,8 @@ import torch.nn as nn
 import torch.utils.checkpoint as cp
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from linattn_mm.ops.common import inference_call
+from linattn_mm.ops.common import cpu_inference_call, inference_call
+from linattn_mm.ops.ffn import conv_ffn_residual_
 from linattn_mm.registry import register_backbone
 from ..attentions.base import build_attention
 from ..attentions.nala import RoPE2d
@@ -40,6 +41,37 @@ class LayerNorm2d(nn.Module):
         return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
 
 
+def _bn_inplace_(bn, x):
+    """An eval-mode BatchNorm with running statistics applied in place to ``x`` (NCHW or
+    channels-last) as the per-channel affine map ``x * a + b`` it amounts to; any other norm is
+    called out of place."""
+    if bn.training or not bn.track_running_stats or bn.running_mean is None:
+        return bn(x)
+    a = torch.rsqrt(bn.running_var.to(x.dtype) + bn.eps)
+    if bn.weight is not None:
+        a = a * bn.weight.to(x.dtype)
+    b = -bn.running_mean.to(x.dtype) * a
+    if bn.bias is not None:
+        b = b + bn.bias.to(x.dtype)
+    return x.mul_(a.view(1, -1, 1, 1)).add_(b.view(1, -1, 1, 1))
+
+
+def _conv_bn_act(layers, x):
+    """``layers`` (convs, BatchNorms, GELUs in sequence) in inference: each norm and activation
+    works in place on the fresh output of the conv before it, so the chain makes one map per
+    conv instead of one per layer."""
+    fresh = False
+    for layer in layers:
+        if fresh and isinstance(layer, _BatchNorm):
+            x = _bn_inplace_(layer, x)
+        elif fresh and type(layer) is nn.GELU:
+            x = torch.ops.aten.gelu_(x, approximate=layer.approximate)
+        else:
+            x = layer(x)
+            fresh = isinstance(layer, nn.Conv2d)
+    return x
+
+
 class ConvStem(nn.Module):
     """Stride-4 stem: conv3x3 s2 (C/2), BN, GELU, two conv3x3 s1 (C/2) + BN + GELU, conv3x3 s2
     (C), BN. Key ``proj.{0,3,6,9}`` (convs) and ``proj.{1,4,7,10}`` (BNs)."""
@@ -54,6 +86,8 @@ class ConvStem(nn.Module):
             nn.Conv2d(half, embed_dims, 3, 2, 1), build_bn(norm_cfg, embed_dims))
 
     def forward(self, x):
+        if inference_call(self, x):
+            return _conv_bn_act(self.proj, x)
         return self.proj(x)
 
 
@@ -66,6 +100,8 @@ class ConvPatchMerging(nn.Module):
         self.norm = build_bn(norm_cfg, out_dims)
 
     def forward(self, x):
+        if inference_call(self, x):
+            return _conv_bn_act((self.reduction, self.norm), x)
         return self.norm(self.reduction(x))
 
 
@@ -110,7 +146,15 @@ class NaLaBlock(nn.Module):
             ``None`` or 0 disables LayerScale.
         drop_rate (float): dropout in the FFN and after the attention projection.
         block_idx (int), stage_idx (int): position (passed to the attention builder).
+
+    Attribute ``fused_ffn`` (default None, automatic): in CPU inference (eval mode, no gradient
+    needed, no autocast) on a channels-last map the FFN half ``x + gamma_2 * ffn(norm2(x))`` runs
+    as :func:`linattn_mm.ops.ffn.conv_ffn_residual_`, a few image rows at a time with the residual
+    in place (no map of the hidden width is made whole). ``False`` keeps the plain form; ``True``
+    asks for the fused form and raises where it cannot run.
     """
+
+    fused_ffn = None
 
     def __init__(self, embed_dims, num_heads, attn_cfg, mlp_ratio=4., drop_path=0.,
                  layer_scale_init_value=1., drop_rate=0., block_idx=0, stage_idx=0):
@@ -135,7 +179,36 @@ class NaLaBlock(nn.Module):
         B, C, H, W = x.shape
         t = self.norm1(x).flatten(2).transpose(1, 2)
         t = self.attn(t, (H, W), rope=rope)
-        return t.transpose(1, 2).reshape(B, C, H, W)
+        # an NCHW view of the (B, H, W, C) tokens: channels-last strides for every B (a reshape of
+        # the transpose gives batch stride C when B = 1, which the convs do not recognise as
+        # channels-last and copy to NCHW)
+        return t.reshape(B, H, W, C).permute(0, 3, 1, 2)
+
+    def _use_fused_ffn(self, x):
+        if self.fused_ffn is False:
+            return False
+        dw = self.ffn.dwconv
+        problem = None
+        if self.fused_ffn not in (None, True):
+            problem = f'fused_ffn must be None, True or False, got {self.fused_ffn!r}'
+        elif not inference_call(self, x):
+            problem = ('the fused ConvFFN runs in inference only (eval mode, no gradient needed, '
+                       'no autocast)')
+        elif x.device.type != 'cpu':
+            problem = 'the fused ConvFFN runs on CPU'
+        elif type(self.ffn.act) is not nn.GELU or type(self.norm2.norm) is not nn.LayerNorm:
+            problem = 'the fused ConvFFN needs the nn.GELU and nn.LayerNorm of this block'
+        elif (dw.kernel_size, dw.stride, dw.padding, dw.dilation, dw.groups) != (
+                (3, 3), (1, 1), (1, 1), (1, 1), dw.in_channels):
+            problem = 'the fused ConvFFN needs a depth-wise 3 x 3 conv with stride 1 and padding 1'
+        elif not x.is_contiguous(memory_format=torch.channels_last) or \
+                x.stride(0) != x[0].numel():
+            problem = 'the fused ConvFFN needs a channels-last map'
+        if problem is None:
+            return True
+        if self.fused_ffn is not None:  # True, or an invalid value
+            raise RuntimeError(f'{type(self).__name__}: {problem}')
+        return False
 
     def forward(self, x, rope=None):
         if inference_call(self, x):  # the residual sums in place on the fresh branch outputs
@@ -143,8 +216,16 @@ class NaLaBlock(nn.Module):
             a = self._mix(x, rope)
             x = (a.mul_(self.gamma_1) if self.layer_scale else a).add_(x)
             x = self.cpe2(x).add_(x)
+            if self._use_fused_ffn(x):  # x is the fresh sum above: updated in place
+                ffn, norm = self.ffn, self.norm2.norm
+                return conv_ffn_residual_(
+                    x, norm.weight, norm.bias, norm.eps, ffn.fc1.weight, ffn.fc1.bias,
+                    ffn.dwconv.weight, ffn.dwconv.bias, ffn.fc2.weight, ffn.fc2.bias,
+                    self.gamma_2.view(-1) if self.layer_scale else None, ffn.act.approximate)
             f = self.ffn(self.norm2(x))
             return (f.mul_(self.gamma_2) if self.layer_scale else f).add_(x)
+        if self.fused_ffn is not None and self.fused_ffn is not False:
+            self._use_fused_ffn(x)  # raises: asked for, but not in inference
         x = x + self.cpe1(x)
         a = self._mix(x, rope)
         x = x + self.drop_path(self.gamma_1 * a if self.layer_scale else a)
@@ -339,6 +420,10 @@ class NaLaFormer(LinAttnBackbone):
         return mods
 
     def forward(self, x):
+        if cpu_inference_call(self, x):
+            # channels-last maps on CPU: the convs run faster and the LayerNorms and the mixers'
+            # token views of the maps need no transposing copies
+            x = x.contiguous(memory_format=torch.channels_last)
         x = self.patch_embed(x)
         outs = []
         for i, stage in enumerate(self.layers):
