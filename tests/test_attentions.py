@@ -187,3 +187,17 @@ def test_build_attention_context_and_errors():
                         num_extra_tokens=1)
     assert {'GlobalSoftmaxAttention', 'SRSoftmaxAttention',
             'WindowSoftmaxAttention'} <= set(list_attentions())
+
+
+@pytest.mark.parametrize('B', [1, 3])
+def test_token_map_views_are_channels_last(B):
+    """``nlc_to_nchw`` views contiguous tokens as a map with channels-last strides, batch stride
+    included (for B = 1 too, so that a conv takes the map as it is instead of copying it to
+    NCHW), and ``nchw_to_nlc`` undoes it."""
+    from linattn_mm.models.utils.layers import nchw_to_nlc, nlc_to_nchw
+    x = torch.randn(B, 6 * 7, 5)
+    m = nlc_to_nchw(x, (6, 7))
+    assert m.shape == (B, 5, 6, 7) and m.data_ptr() == x.data_ptr()
+    assert m.stride() == (6 * 7 * 5, 1, 7 * 5, 5)
+    assert torch.equal(m[:, :, 2, 3], x[:, 2 * 7 + 3])
+    assert torch.equal(nchw_to_nlc(m), x)

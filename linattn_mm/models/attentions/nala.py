@@ -59,6 +59,7 @@ from linattn_mm.ops.common import call_triton, cpu_inference_call, use_triton
 from linattn_mm.ops.nala import nala_attention_fast, nala_layer_chunked
 from linattn_mm.registry import ATTENTIONS
 from .base import BaseTokenMixer
+from ..utils.grid import nlc_to_nchw
 
 __all__ = ['RoPE2d', 'apply_rope', 'NormAwareLinearAttention', 'NaLaSoftmaxAttention']
 
@@ -166,7 +167,7 @@ class _NaLaBlockMixin(BaseTokenMixer):
         qkvg = self.qkvg(x).to(_core_dtype(x.dtype)).view(B, N, 4, C)
         q, k, v, g = qkvg.unbind(2)
         with _no_autocast(x.device):
-            lepe = F.conv2d(v.transpose(1, 2).reshape(B, C, H, W),
+            lepe = F.conv2d(nlc_to_nchw(v, (H, W)),
                             self.lepe.weight.to(v.dtype),
                             None if self.lepe.bias is None else self.lepe.bias.to(v.dtype),
                             1, self.lepe.padding, 1, C).flatten(2).transpose(1, 2)

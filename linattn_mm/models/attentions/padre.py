@@ -56,6 +56,7 @@ import torch.nn.functional as F
 
 from linattn_mm.registry import ATTENTIONS
 from .base import BaseTokenMixer, run_in_fp32
+from ..utils.grid import nlc_to_nchw
 
 __all__ = ['PADReMixer', 'padre_cost']
 
@@ -171,7 +172,7 @@ class PADReMixer(BaseTokenMixer):
         B, _, c = t.shape
         grid = t[:, e:]
         if self.token_mixing == '2d':
-            g = grid.transpose(1, 2).reshape(B, c, H, W)
+            g = nlc_to_nchw(grid, (H, W))
             g = conv(g).flatten(2).transpose(1, 2)
         else:
             g = conv(grid.transpose(1, 2)).transpose(1, 2)

@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from linattn_mm.ops.common import call_triton, cpu_inference_call, use_triton
 from linattn_mm.ops.pola import polarity_attention_fast, polarity_layer_chunked
 from linattn_mm.registry import ATTENTIONS
-from ..utils.grid import resize_grid_embed
+from ..utils.grid import nlc_to_nchw, resize_grid_embed
 from .base import BaseTokenMixer, merge_heads, split_heads
 
 __all__ = ['PolaLinearAttention', 'polarity_attention', 'polarity_attention_fused']
@@ -331,7 +331,7 @@ class PolaLinearAttention(BaseTokenMixer):
         if H < self.la_sr_ratio or W < self.la_sr_ratio:
             raise ValueError(f'{type(self).__name__}: token grid {H}x{W} is smaller than '
                              f'la_sr_ratio={self.la_sr_ratio}')
-        grid = self.sr(grid.transpose(1, 2).reshape(B, C, H, W))
+        grid = self.sr(nlc_to_nchw(grid, (H, W)))
         hw = tuple(grid.shape[-2:])
         grid = self.norm(grid.flatten(2).transpose(1, 2))
         return (torch.cat([extra, grid], dim=1) if e else grid), hw

@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from linattn_mm.registry import ATTENTIONS, register_backbone
-from ..utils.grid import resize_grid_embed
+from ..utils.grid import nlc_to_nchw, resize_grid_embed
 from .base import BaseTokenMixer, merge_heads, run_in_fp32, split_heads
 from .softmax import shift_region_labels, window_partition, window_reverse
 
@@ -337,7 +337,7 @@ class PolySelfAttention(BaseTokenMixer):
         e = self.num_extra_tokens
         H, W = hw_shape
         B, _, C = y.shape
-        grid = y[:, e:].transpose(1, 2).reshape(B, C, H, W)
+        grid = nlc_to_nchw(y[:, e:], (H, W))
         grid = F.conv2d(grid, self.proj.weight.to(y.dtype), self.proj.bias.to(y.dtype), padding=1,
                         groups=C).flatten(2).transpose(1, 2)
         if e:
@@ -372,7 +372,7 @@ class PolySelfAttention(BaseTokenMixer):
             raise ValueError(f'{type(self).__name__}: token grid {H}x{W} is smaller than '
                              f'sr_ratio={self.sr_ratio}; use a larger input')
         B, _, C = x.shape
-        grid = x[:, e:].transpose(1, 2).reshape(B, C, H, W)
+        grid = nlc_to_nchw(x[:, e:], (H, W))
         red = self.sr(grid)
         kv_hw = tuple(red.shape[-2:])
         red = self.norm(red.flatten(2).transpose(1, 2))

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from linattn_mm.ops.common import cpu_inference_call, linear_into
 from linattn_mm.registry import ATTENTIONS
 from .base import BaseTokenMixer, merge_heads, split_heads
+from ..utils.grid import nlc_to_nchw
 
 #: tokens per group of windows in the grouped CPU inference form of the window attention
 WINDOW_GROUP_TOKENS = 4096
@@ -304,7 +305,7 @@ class SRSoftmaxAttention(BaseTokenMixer):
         extra, grid = x[:, :e], x[:, e:]
         B, _, C = grid.shape
         H, W = hw_shape
-        grid = grid.transpose(1, 2).reshape(B, C, H, W)
+        grid = nlc_to_nchw(grid, (H, W))
         if self.linear:
             grid = self.act(self.norm(self.sr(self.pool(grid)).flatten(2).transpose(1, 2)))
         else:

@@ -1,6 +1,22 @@
-"""Resizing of tables laid out on a token grid (position embeddings / encodings)."""
+"""Tokens laid out on a grid: the token <-> map views, and the resizing of tables laid out on a
+grid (position embeddings / encodings)."""
 import torch
 import torch.nn.functional as F
+
+
+def nlc_to_nchw(x, hw_shape):
+    """Tokens (B, N, C) on an H x W grid as a (B, C, H, W) map. For contiguous tokens this is a
+    view with channels-last strides, the batch stride included (``transpose(1, 2).reshape(...)``
+    gives batch stride C when B = 1, which the convs do not take for channels-last and copy to
+    NCHW first)."""
+    B, N, C = x.shape
+    H, W = hw_shape
+    return x.reshape(B, H, W, C).permute(0, 3, 1, 2)
+
+
+def nchw_to_nlc(x):
+    """A (B, C, H, W) map as tokens (B, H*W, C) (a view of a channels-last map)."""
+    return x.flatten(2).transpose(1, 2)
 
 
 def resize_grid_embed(embed, src_hw, dst_hw, num_extra_tokens=0, mode='bicubic'):

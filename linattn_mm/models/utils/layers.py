@@ -9,7 +9,7 @@ import torch.utils.checkpoint as cp
 from linattn_mm.models.attentions.base import build_attention
 from linattn_mm.ops.common import grad_needed
 from linattn_mm.ops.ffn import ffn_residual_
-from .grid import resize_grid_embed  # noqa: F401  (re-exported for the skeletons)
+from .grid import nchw_to_nlc, nlc_to_nchw, resize_grid_embed  # noqa: F401  (re-exported for the skeletons)
 
 
 _NORM_LAYERS = {'BN': nn.BatchNorm2d, 'BN2d': nn.BatchNorm2d, 'SyncBN': nn.SyncBatchNorm}
@@ -45,16 +45,6 @@ class DropPath(nn.Module):
 
     def extra_repr(self):
         return f'drop_prob={self.drop_prob}'
-
-
-def nlc_to_nchw(x, hw_shape):
-    B, N, C = x.shape
-    H, W = hw_shape
-    return x.transpose(1, 2).reshape(B, C, H, W)
-
-
-def nchw_to_nlc(x):
-    return x.flatten(2).transpose(1, 2)
 
 
 class DWConv(nn.Module):
