@@ -109,3 +109,16 @@ def test_kernel_rejects_what_it_cannot_do():
         polarity_layer_chunked(x, *args, 3, conv, rows=-1)
     with pytest.raises(RuntimeError, match='forward-only'):
         polarity_layer_chunked(x.requires_grad_(), *args, 3, conv)
+
+
+def test_default_chunk_follows_the_width():
+    """Without a chunk size the chunked layers take ``elements // C`` tokens (at least 256, at
+    most the tokens there are); a module-level or explicit size wins."""
+    from linattn_mm.ops.common import chunked_layer_setup
+    x = lambda N, C: torch.zeros(1, N, C)  # noqa: E731
+    assert chunked_layer_setup('t', x(5000, 64), 1, None, None, 2 ** 16, False)[-1] == 1024
+    assert chunked_layer_setup('t', x(5000, 128), 2, None, None, 2 ** 17, True)[-1] == 1024
+    assert chunked_layer_setup('t', x(5000, 512), 8, None, None, 2 ** 16, True)[-1] == 256
+    assert chunked_layer_setup('t', x(100, 64), 1, None, None, 2 ** 16, False)[-1] == 100
+    assert chunked_layer_setup('t', x(5000, 64), 1, None, 300, 2 ** 16, False)[-1] == 300
+    assert chunked_layer_setup('t', x(5000, 64), 1, 7, 300, 2 ** 16, False)[-1] == 7

@@ -4,7 +4,7 @@ import warnings
 import torch
 
 __all__ = ['grad_needed', 'sign_split', 'TRITON_FAILURE', 'note_triton_failure', 'use_triton',
-           'call_triton', 'linear_into', 'chunked_layer_setup', 'inference_call',
+           'call_triton', 'linear_into', 'chunked_layer_setup', 'MIN_CHUNK_ROWS', 'inference_call',
            'cpu_inference_call']
 
 #: the first error of an automatically selected Triton call in this process; from then on the
@@ -48,18 +48,28 @@ def linear_into(inp, weight, bias, out):
     return torch.addmm(bias, inp, weight.t(), out=out)
 
 
-def chunked_layer_setup(name, x, num_heads, rows, default_rows, even_head_dim, *params):
+#: fewest tokens per chunk of the chunked layers when the chunk size follows the width
+MIN_CHUNK_ROWS = 256
+
+
+def chunked_layer_setup(name, x, num_heads, rows, default_rows, chunk_elements, even_head_dim,
+                        *params):
     """Shapes and input checks of the chunked inference layers (:mod:`linattn_mm.ops.pola`,
     :mod:`linattn_mm.ops.nala`): ``x`` (B, N, C) in ``num_heads`` heads, ``rows`` tokens per chunk
-    (``None``: ``default_rows``). Returns ``(B, N, C, d, rows)``."""
+    (``None``: ``default_rows``, and if that is None too ``chunk_elements // C`` tokens, at least
+    :data:`MIN_CHUNK_ROWS`, so that a chunk's buffers have about the same size at every width).
+    Returns ``(B, N, C, d, rows)``."""
     B, N, C = x.shape
+    if rows is None:
+        rows = default_rows if default_rows is not None else max(MIN_CHUNK_ROWS,
+                                                                 chunk_elements // max(C, 1))
     d = C // num_heads
     if d * num_heads != C or (even_head_dim and d % 2):
         kind = 'an even' if even_head_dim else 'a whole'
         raise ValueError(f'{name}: {C} channels in {num_heads} heads do not give {kind} head dim')
     if grad_needed(x, *params):
         raise RuntimeError(f'{name} is forward-only; a gradient is needed here')
-    rows = min(default_rows if rows is None else rows, N)
+    rows = min(rows, N)
     if rows < 1:
         raise ValueError(f'{name}: rows must be positive, got {rows}')
     return B, N, C, d, rows

@@ -195,9 +195,13 @@ def polarity_attention_fast(q, k, v, p, eps=1e-6, inv_scale=None, k_bias=None):
     return (num.unflatten(-1, (2, d_s)) / den.unsqueeze(-1)).flatten(-2)
 
 
-#: tokens per chunk of :func:`polarity_layer_chunked` (measured on CPU, one thread, fp32, C = 64-192:
-#: 2048-4096 rows best, 512 rows 5-10 % slower)
-LAYER_CHUNK_ROWS = 4096
+#: tokens per chunk of :func:`polarity_layer_chunked`; None: ``LAYER_CHUNK_ELEMENTS // C`` tokens
+#: (at least 256)
+LAYER_CHUNK_ROWS = None
+#: tokens x channels per chunk (measured on CPU, one thread, fp32, Pola-PVT-T layers at 1024²:
+#: best near 2048 tokens at C = 64, 1024 at C = 128, 256-1024 at C = 320 and 512 at C = 512;
+#: 4096 tokens at every width was up to 16 % slower)
+LAYER_CHUNK_ELEMENTS = 2 ** 17
 
 
 def polarity_layer_chunked(x, w_q, b_q, w_kv, b_kv, w_g, b_g, w_proj, b_proj, p, inv_scale, pe,
@@ -228,14 +232,15 @@ def polarity_layer_chunked(x, w_q, b_q, w_kv, b_kv, w_g, b_g, w_proj, b_proj, p,
         eps (float): added to the mean-normalised denominators.
         num_heads (int): heads h; the head dim ``C / h`` must be even.
         conv_term (callable): ``v`` (B, N, C) -> the depth-wise conv term (B, N, C).
-        rows (int, optional): tokens per chunk, default :data:`LAYER_CHUNK_ROWS`.
+        rows (int, optional): tokens per chunk, default :data:`LAYER_CHUNK_ROWS` or, when that is
+            None, :data:`LAYER_CHUNK_ELEMENTS` ``// C``.
 
     Returns:
         Tensor: (B, N, C).
     """
     B, N, C, d, rows = chunked_layer_setup('polarity_layer_chunked', x, num_heads, rows,
-                                           LAYER_CHUNK_ROWS, True, w_q, w_kv, w_g, w_proj, p,
-                                           inv_scale, pe)
+                                           LAYER_CHUNK_ROWS, LAYER_CHUNK_ELEMENTS, True, w_q,
+                                           w_kv, w_g, w_proj, p, inv_scale, pe)
     h = num_heads
     new = x.new_empty
 
