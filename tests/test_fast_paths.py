@@ -283,3 +283,30 @@ def test_fast_path_macs_equal_reference(layout):
     fast = count_macs(lambda: m(x, (6, 6))).total
     m.fused = False
     assert fast == count_macs(lambda: m(x, (6, 6))).total > 0
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+@pytest.mark.parametrize('max_threads', [4, 0])  # numpy's log2, then torch's
+def test_log2_in_place(dtype, max_threads, monkeypatch):
+    """``ops.common.log2_`` (numpy's vectorised log2 on CPU with few threads, else torch's) is
+    in place and equals the log2 to about an ulp, ``log2(0) = -inf`` without warnings, on a
+    strided view too."""
+    import warnings
+
+    import linattn_mm.ops.common as common
+    monkeypatch.setattr(common, 'NUMPY_LOG2_MAX_THREADS', max_threads)
+    base = torch.rand(40, 30, dtype=torch.float64) * 50
+    base[3, 4] = 0
+    x = base.to(dtype).clone()
+    want = torch.log2(x.double())
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        out = common.log2_(x)
+        view = base.to(dtype).clone()[:, ::3]
+        common.log2_(view)
+    assert out is x
+    assert x[3, 4] == -float('inf')
+    ok = torch.isfinite(want)
+    tol = 4 * torch.finfo(dtype).eps
+    assert ((x.double() - want)[ok].abs() <= tol * want[ok].abs().clamp_min(1)).all()
+    assert torch.allclose(view.double(), want[:, ::3], rtol=tol, atol=tol, equal_nan=True)

@@ -123,9 +123,9 @@ def test_mac_count_is_the_reference_model_whatever_the_kernel():
     assert count_macs(m, x, (H, W)).total == want
     assert m.fused is None
     fast = count_macs(lambda: m(x, (H, W))).total  # the kernel as it runs: the chunked CPU layer
-    # keys: [f cos | f sin]^T v, (4d, d) per head; queries: [f, f cos, f sin] @ (6d, d + 1) for
-    # numerator and denominator in one GEMM
-    assert fast == 5 * N * C * C + 25 * N * C + h * (N * 4 * d * d + N * 6 * d * (d + 1))
+    # keys: [f cos | f sin]^T v, (4d, d) per head; queries: [f cos | f sin] @ (4d, d) for the
+    # numerator and f @ (2d, 1) for the denominator
+    assert fast == 5 * N * C * C + 25 * N * C + h * (N * 4 * d * d + N * 4 * d * d + N * 2 * d)
     with torch.no_grad():
         m.train()  # the unchunked fast kernel: RoPE folded, (4d, d) matrices on both sides
         assert count_macs(lambda: m(x, (H, W))).total == want + h * 2 * N * 2 * d * d

@@ -28,7 +28,7 @@ relative in float32, 1e-10 in float64, gradients included).
 import torch
 import torch.nn.functional as F
 
-from .common import chunked_layer_setup, grad_needed, linear_into, sign_split
+from .common import chunked_layer_setup, grad_needed, linear_into, log2_, sign_split
 
 __all__ = ['nala_attention_fast', 'nala_layer_chunked']
 
@@ -50,7 +50,7 @@ def _query_features(q, power, grad):
         return torch.cat([pos, a - pos], dim=-1)
     # 2^(p * (log2|q| - log2||q||)) (CPU exp2 is ~2.5x faster than exp); q = 0 -> log2 0 = -inf
     # -> 0, as d(0)^p = 0
-    a = q.abs().log2_().sub_(qn.clamp_min(1e-12).log2_()).mul_(p).exp2_()
+    a = log2_(q.abs()).sub_(log2_(qn.clamp_min(1e-12))).mul_(p).exp2_()
     return sign_split(a.copysign_(q))
 
 
@@ -122,7 +122,7 @@ def _chunk_features(x, power, out, query, sin=None, cos=None):
     if query:  # 2^(p (log2|q| - log2||q||)), p = lam (0.5 + tanh ||q||); q = 0 -> 0
         qn = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
         p = torch.tanh(qn).add_(0.5).mul_(power)
-        a = torch.abs(x, out=neg).log2_().sub_(qn.clamp_min_(1e-12).log2_()).mul_(p)
+        a = log2_(torch.abs(x, out=neg)).sub_(log2_(qn.clamp_min_(1e-12))).mul_(p)
         a.exp2_().copysign_(x)
     elif power == 3:
         a = torch.mul(x, x, out=neg).mul_(x)

@@ -32,7 +32,7 @@ rounding (tests: 1e-5 relative in float32, 1e-10 in float64, gradients included)
 """
 import torch
 
-from .common import chunked_layer_setup, grad_needed, linear_into, sign_split
+from .common import chunked_layer_setup, grad_needed, linear_into, log2_, sign_split
 
 __all__ = ['polarity_features', 'polarity_attention_fast', 'polarity_layer_chunked']
 
@@ -68,7 +68,7 @@ def polarity_features(x, p, inv_scale=None, grad=None, bias=None):
     # per-channel exponent, and CPU exp2 ~2.5x faster than exp (log2 0 = -inf -> 2^-inf = 0, as
     # 0^p); ~1 ulp * |p log2|c|| apart from pow. Inference only: the gradient of this form is NaN
     # at c == 0.
-    a = c.abs().log2_().mul_(p).exp2_()
+    a = log2_(c.abs()).mul_(p).exp2_()
     a.copysign_(c)  # signed |x/s|^p (CPU copysign is slow on strided operands: keep contiguous)
     return sign_split(a)
 
@@ -91,7 +91,7 @@ def _pos_neg_into(x, p, inv_scale, bias, c, a):
     shape), ``y = (x + bias) * inv_scale``; returns ``(c, a)``. No autograd graph."""
     _scaled_into(x, inv_scale, bias, c)
     # |c|^p as 2^(p * log2|c|) (see polarity_features), then the sign of c
-    torch.abs(c, out=a).log2_().mul_(p).exp2_().copysign_(c)
+    log2_(torch.abs(c, out=a)).mul_(p).exp2_().copysign_(c)
     pos = torch.clamp_min(a, 0, out=c)
     return pos, torch.sub(pos, a, out=a)  # relu(c) - c == relu(-c), exactly
 
