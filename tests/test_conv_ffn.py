@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import record_calls
+from conftest import hidden_formula, record_calls
 
 import linattn_mm.ops.ffn as ffn_ops
 from linattn_mm.models.backbones import nalaformer as nf
@@ -16,16 +16,7 @@ from linattn_mm.ops.ffn import conv_ffn_residual_
 def conv_ffn_formula(x, ln_w, ln_b, eps, w1, b1, dw, db, w2, b2, scale, approximate='none'):
     """``x + scale * fc2(h + dwconv3x3(h))``, ``h = gelu(fc1(LN_C(x)))``, every step from its
     definition on an NCHW float64 map (the conv as nine shifted products over a zero border)."""
-    t = x.permute(0, 2, 3, 1)  # (B, H, W, C)
-    mu = t.mean(-1, keepdim=True)
-    n = (t - mu) / torch.sqrt(((t - mu) ** 2).mean(-1, keepdim=True) + eps)
-    if ln_w is not None:
-        n = n * ln_w + ln_b
-    h = n @ w1.T + (0 if b1 is None else b1)
-    if approximate == 'none':
-        h = 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))
-    else:
-        h = 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))
+    h = hidden_formula(x.permute(0, 2, 3, 1), ln_w, ln_b, eps, w1, b1, approximate)  # (B, H, W, r)
     H, W = h.shape[1:3]
     hp = torch.zeros(h.shape[0], H + 2, W + 2, h.shape[3], dtype=h.dtype)
     hp[:, 1:-1, 1:-1] = h

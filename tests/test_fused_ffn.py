@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import record_calls
+from conftest import hidden_formula, record_calls
 
 import linattn_mm.models.utils.layers as layers
 from linattn_mm.models.backbones import LinAttnPVT, LinAttnSwin
@@ -15,16 +15,7 @@ from linattn_mm.ops.ffn import CPU_CHUNK_ROWS, ffn_residual_
 
 def ffn_formula(x, ln_w, ln_b, eps, w1, b1, w2, b2, approximate='none'):
     """x + W2 gelu(W1 LN(x) + b1) + b2, each step from its definition (float64 inputs)."""
-    mu = x.mean(-1, keepdim=True)
-    var = ((x - mu) ** 2).mean(-1, keepdim=True)
-    n = (x - mu) / torch.sqrt(var + eps)
-    if ln_w is not None:
-        n = n * ln_w + ln_b
-    h = n @ w1.T + (0 if b1 is None else b1)
-    if approximate == 'none':
-        h = 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))
-    else:
-        h = 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))
+    h = hidden_formula(x, ln_w, ln_b, eps, w1, b1, approximate)
     return x + h @ w2.T + (0 if b2 is None else b2)
 
 

@@ -6,7 +6,7 @@ import torch
 
 __all__ = ['grad_needed', 'sign_split', 'TRITON_FAILURE', 'note_triton_failure', 'use_triton',
            'call_triton', 'linear_into', 'chunked_layer_setup', 'MIN_CHUNK_ROWS', 'inference_call',
-           'cpu_inference_call', 'log2_', 'NUMPY_LOG2_MAX_THREADS']
+           'cpu_inference_call', 'log2_', 'NUMPY_LOG2_MAX_THREADS', 'fast_form_selected']
 
 #: the first error of an automatically selected Triton call in this process; from then on the
 #: modules run their torch kernels (a failing compiler or driver never stops inference)
@@ -34,6 +34,22 @@ def inference_call(module, x):
     in-place and in-cache inference forms)."""
     return (not module.training and not torch.is_autocast_enabled(x.device.type)
             and not grad_needed(x, *module.parameters()))
+
+
+def fast_form_selected(owner, name, setting, find_problem):
+    """Whether a module's optional fast form runs, from its switch ``setting`` (attribute
+    ``name``): False never; None when ``find_problem()`` finds nothing (it returns a sentence
+    naming what prevents the fast form, or None); True always, and a ``RuntimeError`` that names
+    the problem where the fast form cannot run. Any other value is an error too."""
+    if setting is False:
+        return False
+    problem = (f'{name} must be None, True or False, got {setting!r}'
+               if setting not in (None, True) else find_problem())
+    if problem is None:
+        return True
+    if setting is not None:
+        raise RuntimeError(f'{owner}: {problem}')
+    return False
 
 
 def cpu_inference_call(module, x):

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.utils.checkpoint as cp
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from linattn_mm.ops.common import cpu_inference_call, inference_call
+from linattn_mm.ops.common import cpu_inference_call, fast_form_selected, inference_call
 from linattn_mm.ops.ffn import conv_ffn_residual_
 from linattn_mm.registry import register_backbone
 from ..attentions.base import build_attention
@@ -185,30 +185,24 @@ class NaLaBlock(nn.Module):
         return t.reshape(B, H, W, C).permute(0, 3, 1, 2)
 
     def _use_fused_ffn(self, x):
-        if self.fused_ffn is False:
-            return False
+        return fast_form_selected(type(self).__name__, 'fused_ffn', self.fused_ffn,
+                                  lambda: self._fused_ffn_problem(x))
+
+    def _fused_ffn_problem(self, x):
         dw = self.ffn.dwconv
-        problem = None
-        if self.fused_ffn not in (None, True):
-            problem = f'fused_ffn must be None, True or False, got {self.fused_ffn!r}'
-        elif not inference_call(self, x):
-            problem = ('the fused ConvFFN runs in inference only (eval mode, no gradient needed, '
-                       'no autocast)')
-        elif x.device.type != 'cpu':
-            problem = 'the fused ConvFFN runs on CPU'
-        elif type(self.ffn.act) is not nn.GELU or type(self.norm2.norm) is not nn.LayerNorm:
-            problem = 'the fused ConvFFN needs the nn.GELU and nn.LayerNorm of this block'
-        elif (dw.kernel_size, dw.stride, dw.padding, dw.dilation, dw.groups) != (
+        if not inference_call(self, x):
+            return ('the fused ConvFFN runs in inference only (eval mode, no gradient needed, '
+                    'no autocast)')
+        if x.device.type != 'cpu':
+            return 'the fused ConvFFN runs on CPU'
+        if type(self.ffn.act) is not nn.GELU or type(self.norm2.norm) is not nn.LayerNorm:
+            return 'the fused ConvFFN needs the nn.GELU and nn.LayerNorm of this block'
+        if (dw.kernel_size, dw.stride, dw.padding, dw.dilation, dw.groups) != (
                 (3, 3), (1, 1), (1, 1), (1, 1), dw.in_channels):
-            problem = 'the fused ConvFFN needs a depth-wise 3 x 3 conv with stride 1 and padding 1'
-        elif not x.is_contiguous(memory_format=torch.channels_last) or \
-                x.stride(0) != x[0].numel():
-            problem = 'the fused ConvFFN needs a channels-last map'
-        if problem is None:
-            return True
-        if self.fused_ffn is not None:  # True, or an invalid value
-            raise RuntimeError(f'{type(self).__name__}: {problem}')
-        return False
+            return 'the fused ConvFFN needs a depth-wise 3 x 3 conv with stride 1 and padding 1'
+        if not x.is_contiguous(memory_format=torch.channels_last) or x.stride(0) != x[0].numel():
+            return 'the fused ConvFFN needs a channels-last map'
+        return None
 
     def forward(self, x, rope=None):
         if inference_call(self, x):  # the residual sums in place on the fresh branch outputs

@@ -7,9 +7,10 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as cp
 
 from linattn_mm.models.attentions.base import build_attention
-from linattn_mm.ops.common import grad_needed
+from linattn_mm.ops.common import fast_form_selected, grad_needed
 from linattn_mm.ops.ffn import ffn_residual_
-from .grid import nchw_to_nlc, nlc_to_nchw, resize_grid_embed  # noqa: F401  (re-exported for the skeletons)
+# re-exported for the skeletons
+from .grid import nchw_to_nlc, nlc_to_nchw, resize_grid_embed  # noqa: F401
 
 
 _NORM_LAYERS = {'BN': nn.BatchNorm2d, 'BN2d': nn.BatchNorm2d, 'SyncBN': nn.SyncBatchNorm}
@@ -124,28 +125,23 @@ class TransformerBlock(nn.Module):
         return x + self.drop_path(self.mlp(self.norm2(x), hw_shape))
 
     def _use_fused_ffn(self, x):
-        if self.fused_ffn is False:
-            return False
-        problem = None
-        if self.fused_ffn not in (None, True):
-            problem = f'fused_ffn must be None, True or False, got {self.fused_ffn!r}'
-        elif self.training:
-            problem = 'the fused FFN runs in eval mode only'
-        elif self.mlp.dwconv is not None:
-            problem = 'the fused FFN has no depth-wise conv (PVTv2 FFN)'
-        elif type(self.mlp.act) is not nn.GELU or type(self.norm2) is not nn.LayerNorm:
-            problem = 'the fused FFN needs the nn.GELU and nn.LayerNorm of this block'
-        elif torch.is_autocast_enabled(x.device.type):
-            problem = 'the fused FFN does not run under autocast'
-        elif grad_needed(x, *self.mlp.parameters(), *self.norm2.parameters()):
-            problem = 'the fused FFN is forward-only and a gradient is needed here'
-        elif not x.is_contiguous():
-            problem = 'the fused FFN needs contiguous tokens'
-        if problem is None:
-            return True
-        if self.fused_ffn is not None:  # True, or an invalid value
-            raise RuntimeError(f'{type(self).__name__}: {problem}')
-        return False
+        return fast_form_selected(type(self).__name__, 'fused_ffn', self.fused_ffn,
+                                  lambda: self._fused_ffn_problem(x))
+
+    def _fused_ffn_problem(self, x):
+        if self.training:
+            return 'the fused FFN runs in eval mode only'
+        if self.mlp.dwconv is not None:
+            return 'the fused FFN has no depth-wise conv (PVTv2 FFN)'
+        if type(self.mlp.act) is not nn.GELU or type(self.norm2) is not nn.LayerNorm:
+            return 'the fused FFN needs the nn.GELU and nn.LayerNorm of this block'
+        if torch.is_autocast_enabled(x.device.type):
+            return 'the fused FFN does not run under autocast'
+        if grad_needed(x, *self.mlp.parameters(), *self.norm2.parameters()):
+            return 'the fused FFN is forward-only and a gradient is needed here'
+        if not x.is_contiguous():
+            return 'the fused FFN needs contiguous tokens'
+        return None
 
     def forward(self, x, hw_shape):
         if self.with_cp and x.requires_grad:
