@@ -310,3 +310,15 @@ def test_log2_in_place(dtype, max_threads, monkeypatch):
     tol = 4 * torch.finfo(dtype).eps
     assert ((x.double() - want)[ok].abs() <= tol * want[ok].abs().clamp_min(1)).all()
     assert torch.allclose(view.double(), want[:, ::3], rtol=tol, atol=tol, equal_nan=True)
+
+
+def test_log2_keeps_torch_for_fake_tensors():
+    """Under a fake-tensor mode (tracing, export) ``log2_`` has no memory to hand to numpy and
+    runs torch's op, so shapes propagate as usual."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from linattn_mm.ops.common import log2_
+    with FakeTensorMode():
+        t = torch.empty(8, 3)
+        out = log2_(t)
+    assert out.shape == (8, 3) and out.dtype == torch.float32

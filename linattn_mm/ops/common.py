@@ -146,9 +146,12 @@ def log2_(t):
     """``t.log2_()`` for a tensor that needs no gradient. On CPU in float32 / float64 with at
     most :data:`NUMPY_LOG2_MAX_THREADS` torch threads it runs numpy's vectorised log2 in place on
     the same memory (torch's CPU log2 is not vectorised: about 1 ns an element); ``log2(0)`` is
-    ``-inf`` either way, without numpy's divide-by-zero warning."""
-    if (t.device.type == 'cpu' and t.dtype in (torch.float32, torch.float64)
-            and torch.get_num_threads() <= NUMPY_LOG2_MAX_THREADS):
+    ``-inf`` either way, without numpy's divide-by-zero warning. Tensor subclasses (fake tensors
+    of tracing and export) and code being compiled keep torch's op."""
+    if (type(t) is torch.Tensor and t.device.type == 'cpu'
+            and t.dtype in (torch.float32, torch.float64)
+            and torch.get_num_threads() <= NUMPY_LOG2_MAX_THREADS
+            and not torch.compiler.is_compiling()):
         a = t.numpy()
         with np.errstate(divide='ignore', invalid='ignore'):
             np.log2(a, out=a)
