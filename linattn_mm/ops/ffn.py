@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from .common import linear_into
 
-__all__ = ['ffn_residual_', 'conv_ffn_residual_', 'CPU_CHUNK_ROWS', 'CPU_BAND_TOKENS']
+__all__ = ['ffn_residual_', 'conv_ffn_residual_', 'channels_last_map', 'CPU_CHUNK_ROWS',
+           'CPU_BAND_TOKENS']
 
 #: tokens per chunk on CPU (measured, one thread, fp32, hidden 384-3072: 512-2048 rows are
 #: equally fast, 256 and whole-tensor chunks slower)
@@ -70,6 +71,12 @@ def ffn_residual_(x, norm_weight, norm_bias, eps, w1, b1, w2, b2, approximate='n
 CPU_BAND_TOKENS = 2048
 
 
+def channels_last_map(x):
+    """Whether the (B, C, H, W) map ``x`` is a contiguous (B, H, W, C) buffer viewed as NCHW,
+    the batch stride included (what :func:`conv_ffn_residual_` updates in place)."""
+    return x.is_contiguous(memory_format=torch.channels_last) and x.stride(0) == x[0].numel()
+
+
 def _hidden_rows_(x_rows, norm_weight, norm_bias, eps, w1, b1, approximate, out):
     """``gelu(fc1(layer_norm(x_rows)))`` of whole image rows (r, W, C) into ``out`` (r, W, hidden),
     the activation in place."""
@@ -107,7 +114,7 @@ def conv_ffn_residual_(x, norm_weight, norm_bias, eps, w1, b1, dw_weight, dw_bia
     """
     B, C, H, W = x.shape
     hidden = w1.shape[0]
-    if not x.is_contiguous(memory_format=torch.channels_last) or x.stride(0) != H * W * C:
+    if not channels_last_map(x):
         raise ValueError('conv_ffn_residual_: x must be a channels-last (B, H, W, C) buffer viewed '
                          'as (B, C, H, W) (it is updated in place)')
     if w1.shape != (hidden, C) or w2.shape != (C, hidden) or dw_weight.shape != (hidden, 1, 3, 3):

@@ -14,11 +14,11 @@ import torch.utils.checkpoint as cp
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from linattn_mm.ops.common import cpu_inference_call, fast_form_selected, inference_call
-from linattn_mm.ops.ffn import conv_ffn_residual_
+from linattn_mm.ops.ffn import channels_last_map, conv_ffn_residual_
 from linattn_mm.registry import register_backbone
 from ..attentions.base import build_attention
 from ..attentions.nala import RoPE2d
-from ..utils.layers import DropPath, build_bn
+from ..utils.layers import DropPath, build_bn, nlc_to_nchw
 from .base import LinAttnBackbone, drop_path_rates, per_stage, resolve_arch
 
 _ARCH_KEYS = ('embed_dims', 'depths', 'num_heads', 'mlp_ratios')
@@ -176,13 +176,9 @@ class NaLaBlock(nn.Module):
                                                    float(layer_scale_init_value)))
 
     def _mix(self, x, rope):
-        B, C, H, W = x.shape
+        H, W = x.shape[-2:]
         t = self.norm1(x).flatten(2).transpose(1, 2)
-        t = self.attn(t, (H, W), rope=rope)
-        # an NCHW view of the (B, H, W, C) tokens: channels-last strides for every B (a reshape of
-        # the transpose gives batch stride C when B = 1, which the convs do not recognise as
-        # channels-last and copy to NCHW)
-        return t.reshape(B, H, W, C).permute(0, 3, 1, 2)
+        return nlc_to_nchw(self.attn(t, (H, W), rope=rope), (H, W))
 
     def _use_fused_ffn(self, x):
         return fast_form_selected(type(self).__name__, 'fused_ffn', self.fused_ffn,
@@ -200,7 +196,7 @@ class NaLaBlock(nn.Module):
         if (dw.kernel_size, dw.stride, dw.padding, dw.dilation, dw.groups) != (
                 (3, 3), (1, 1), (1, 1), (1, 1), dw.in_channels):
             return 'the fused ConvFFN needs a depth-wise 3 x 3 conv with stride 1 and padding 1'
-        if not x.is_contiguous(memory_format=torch.channels_last) or x.stride(0) != x[0].numel():
+        if not channels_last_map(x):
             return 'the fused ConvFFN needs a channels-last map'
         return None
 
@@ -218,8 +214,8 @@ class NaLaBlock(nn.Module):
                     self.gamma_2.view(-1) if self.layer_scale else None, ffn.act.approximate)
             f = self.ffn(self.norm2(x))
             return (f.mul_(self.gamma_2) if self.layer_scale else f).add_(x)
-        if self.fused_ffn is not None and self.fused_ffn is not False:
-            self._use_fused_ffn(x)  # raises: asked for, but not in inference
+        if self.fused_ffn is not None:
+            self._use_fused_ffn(x)  # True or an invalid value raises: not in inference
         x = x + self.cpe1(x)
         a = self._mix(x, rope)
         x = x + self.drop_path(self.gamma_1 * a if self.layer_scale else a)
