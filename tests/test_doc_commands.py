@@ -286,6 +286,13 @@ def doc_argv(cmd, replace=None, values=None, extend=None, append=()):
     return out
 
 
+def tiny_backbone_argv(cmd, **values):
+    """:func:`doc_argv` of a backbone benchmark command of the docs at 64² and 96², no warm-up
+    and one repeat (``values``: further flag -> values, e.g. ``json=[path]``)."""
+    sizes = {'--sizes': ['64', '96'], '--warmup': ['0'], '--repeats': ['1']}
+    return doc_argv(cmd, values={**sizes, **{f'--{k}': v for k, v in values.items()}})
+
+
 def _assert_same_tool_and_flags(doc, run):
     def tool(argv):
         exe = 'python' if argv[0] in _PYTHONS or argv[0] == sys.executable else argv[0]
@@ -612,8 +619,7 @@ def case_benchmark_scale_heap(sh, tmp_path):
            '--sizes 1024 2048 --threads 1 --warmup 1 --repeats 2 --heap-malloc --json '
            'scale_heap.json')
     js = tmp_path / 'scale_heap.json'
-    out = sh(cmd, doc_argv(cmd, values={'--sizes': ['64', '96'], '--warmup': ['0'],
-                                        '--repeats': ['1'], '--json': [str(js)]}))
+    out = sh(cmd, tiny_backbone_argv(cmd, json=[str(js)]))
     assert 'heap allocator: on' in out.splitlines()[0] or 'not glibc' in out.splitlines()[0]
     assert json.loads(js.read_text())['args']['heap_malloc'] is True
     for name in ('pola-pvt-t', 'pola-swin-t', 'nalaformer-t-linear'):
@@ -678,9 +684,7 @@ def case_benchmark_scale(sh, tmp_path):
            '--sizes 1024 2048 --threads 1 --warmup 1 --repeats 2 --json scale.json '
            '--plot scale.png')
     js, png = tmp_path / 'scale.json', tmp_path / 'scale.png'
-    out = sh(cmd, doc_argv(cmd, values={'--sizes': ['64', '96'], '--warmup': ['0'],
-                                        '--repeats': ['1'], '--json': [str(js)],
-                                        '--plot': [str(png)]}))
+    out = sh(cmd, tiny_backbone_argv(cmd, json=[str(js)], plot=[str(png)]))
     assert png.stat().st_size > 1000
     text = json.dumps(json.loads(js.read_text()))
     for name in ('pola-pvt-t', 'pola-swin-t', 'nalaformer-t-linear'):
@@ -692,8 +696,7 @@ def case_benchmark_scale(sh, tmp_path):
 def case_benchmark_scale_softmax(sh, tmp_path):
     cmd = ('python tools/benchmark.py --mode backbone nalaformer-t pvt-t --sizes 1024 2048 '
            '--threads 1 --warmup 1 --repeats 2')
-    out = sh(cmd, doc_argv(cmd, values={'--sizes': ['64', '96'], '--warmup': ['0'],
-                                        '--repeats': ['1']}))
+    out = sh(cmd, tiny_backbone_argv(cmd))
     for name in ('nalaformer-t', 'pvt-t'):
         assert re.search(rf'^{name}\s+\S+\s+96x96/64x64: [\d.]+; slope', out, re.M), out[-3000:]
 
@@ -701,8 +704,7 @@ def case_benchmark_scale_softmax(sh, tmp_path):
 def case_benchmark_global(sh, tmp_path):
     cmd = ('python tools/benchmark.py --mode backbone global-pvt-t pola-pvt-t --sizes 256 512 '
            '--threads 1 --warmup 1 --repeats 2')
-    out = sh(cmd, doc_argv(cmd, values={'--sizes': ['64', '96'], '--warmup': ['0'],
-                                        '--repeats': ['1']}))
+    out = sh(cmd, tiny_backbone_argv(cmd))
     for name in ('global-pvt-t', 'pola-pvt-t'):
         for size in ('64x64', '96x96'):
             assert re.search(rf'^{name}\s+\S+\s+{size}\s+[\d.]+ ms', out, re.M), out[-3000:]
