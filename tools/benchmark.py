@@ -21,26 +21,21 @@ pixels, with the fitted slope per target).
 Implementations of the Pola and NaLa mixers (``--impls``, every target is run with each one,
 same weights, same inputs, and outputs are compared with the first):
 
-* ``fast``: the plugin's default (``fused=None``: the Triton kernels
-  :mod:`linattn_mm.ops.pola_triton` / :mod:`linattn_mm.ops.nala_triton` in CUDA inference, else
-  the torch kernels).
-* ``torch``: the torch fast kernels :mod:`linattn_mm.ops.pola` / :mod:`linattn_mm.ops.nala`
-  everywhere (``fused=True``).
-* ``triton``: the Triton kernels (``fused='triton'``; CUDA only).
-* ``reference``: the plugin's reference core (``fused=False``).
+* ``fast``: the plugin's default for inference: the model converted by
+  :func:`linattn_mm.deploy.convert` (CPU: whole Pola / NaLa layers chunk by chunk, fused FFN, window
+  attention in groups, GEMM patch embedding, NaLaFormer's in-place blocks; CUDA: the Triton cores).
+* ``torch``: the unconverted model with the torch fast kernels :mod:`linattn_mm.ops.pola.fast` /
+  :mod:`linattn_mm.ops.nala.fast` (``core='fast'``, what training runs).
+* ``triton``: the model converted for CUDA (the Triton cores; CUDA only).
+* ``reference``: the unconverted model with the reference cores (``core='reference'``).
 * ``official``: a straightforward implementation of the official forward written in this file
-  from the pseudo-code of the official code (spec ``polaformer.md`` §1.2: two relu-pow per tensor,
-  two streams each with its own GEMMs and normalisers, ``n^-1/2`` rescaling, ``cat`` copies,
-  NCHW depth-wise conv); it is bound to every ``PolaLinearAttention`` of the model in place of
-  its ``forward``, so it uses the same weights.
+  from the pseudo-code of the official code (two relu-pow per tensor, two streams each with its
+  own GEMMs and normalisers, ``n^-1/2`` rescaling, ``cat`` copies, NCHW depth-wise conv); it is
+  bound to every ``PolaLinearAttention`` of the unconverted model in place of its ``forward``, so
+  it uses the same weights (NaLa mixers run their reference core).
 
-The transformer blocks' FFN half ``x + mlp(norm2(x))`` follows the implementation too: ``fast``,
-``torch`` and ``triton`` leave it automatic (``TransformerBlock.fused_ffn = None``: the chunked
-in-place kernel :mod:`linattn_mm.ops.ffn` in inference), ``reference`` and ``official`` run the
-plain form of the official code (``fc2(act(fc1(norm2(x))))`` plus the residual; ``fused_ffn =
-False``). ``--ffn plain`` keeps the plain form for every implementation, so that the mixers alone
-are compared. Likewise ``reference`` and ``official`` embed patches with the strided conv
-(``PatchEmbed.patchify = False``) instead of the plugin's GEMM form.
+``--ffn plain`` keeps the blocks of the converted implementations unconverted (plain FFN), so
+that the mixers alone are compared.
 
 ``--compare BASELINE`` (a target name or an implementation name, measured in the same run) prints
 time ratios ``baseline / this`` (> 1: faster than the baseline) per size.
@@ -74,10 +69,11 @@ import torch
 import torch.nn.functional as F
 
 import linattn_mm  # noqa: F401
+from linattn_mm import deploy
 from linattn_mm.flops import dummy_inputs
 from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d
 from linattn_mm.models.attentions.pola import PolaLinearAttention
-from linattn_mm.models.utils.layers import PatchEmbed, TransformerBlock
+from linattn_mm.models.utils.layers import TransformerBlock
 from linattn_mm.models.backbones.nalaformer import NaLaBlock
 from linattn_mm.utils import PeakMemoryCounter, use_heap_allocator
 from linattn_mm.utils.progress import emit, progress_bar
@@ -115,8 +111,9 @@ BACKBONES = {
 }
 
 POLA_IMPLS = ('fast', 'torch', 'triton', 'reference', 'official')
-#: ``PolaLinearAttention.fused`` of each plugin implementation
-FUSED = {'fast': None, 'torch': True, 'triton': 'triton', 'reference': False}
+#: the mixers' ``core`` under each implementation (``fast`` / ``triton`` then convert the model)
+CORE = {'fast': 'fast', 'torch': 'fast', 'triton': 'fast', 'reference': 'reference',
+        'official': 'reference'}
 #: peak memory bandwidth (GB/s) by device name (first match; PCIe before the SXM default)
 PEAK_BW = (('H100 PCIe', 2000.), ('H100 NVL', 3900.), ('H100', 3350.), ('H200', 4800.),
            ('A100-SXM4-80GB', 2039.), ('A100', 1555.))
@@ -192,25 +189,32 @@ def nala_modules(model):
     return [m for m in model.modules() if isinstance(m, NormAwareLinearAttention)]
 
 
-def set_impl(model, impl, ffn='auto'):
-    """Switch every Pola and NaLa mixer of ``model`` to ``impl`` (see the module docstring). NaLa
-    has one fast core (``fast``, ``torch`` and ``triton`` select it) and its reference core is the
-    official order of operations (``reference`` and ``official`` select it). The transformer
-    blocks' FFN half is fused for the plugin's fast implementations unless ``ffn='plain'``."""
-    plain_ffn = ffn == 'plain' or impl in ('reference', 'official')
-    for m in model.modules():
-        if isinstance(m, (TransformerBlock, NaLaBlock)):
-            m.fused_ffn = False if plain_ffn else None
-        elif isinstance(m, PatchEmbed):  # the official strided conv for official / reference
-            m.patchify = False if impl in ('reference', 'official') else None
+def set_impl(model, impl, ffn='auto', device=None):
+    """Give ``model`` the implementation ``impl`` (see the module docstring), undoing the previous
+    one: ``fast`` and ``triton`` convert the model (:func:`linattn_mm.deploy.convert`, for CPU or
+    CUDA), ``torch`` and ``reference`` leave it unconverted with the mixers' ``core`` set to
+    ``'fast'`` / ``'reference'``, ``official`` binds the official Pola forward (NaLa mixers: their
+    reference core). ``ffn='plain'`` keeps the blocks unconverted (the mixers alone differ)."""
+    deploy.revert(model)
     for m in pola_modules(model):
         m.__dict__.pop('forward', None)
-        if impl == 'official':
+    for m in model.modules():
+        if isinstance(m, (PolaLinearAttention, NormAwareLinearAttention)) and \
+                getattr(m, 'kernel', 'official') == 'official':
+            m.core = CORE[impl]
+    if impl == 'official':
+        for m in pola_modules(model):
             m.forward = types.MethodType(official_pola_forward, m)
-        else:
-            m.fused = FUSED[impl]
-    for m in nala_modules(model):
-        m.fused = False if impl in ('reference', 'official') else FUSED[impl]
+    if impl in ('fast', 'triton'):
+        dev = device or next(model.parameters()).device
+        if impl == 'triton' and torch.device(dev).type != 'cuda':
+            raise ValueError('--impls triton needs --device cuda')
+        deploy.convert(model, dev)
+        if ffn == 'plain':
+            for m in model.modules():
+                if isinstance(m, deploy.InferenceForm) and m.base_class in (TransformerBlock,
+                                                                            NaLaBlock):
+                    m.__class__ = m.base_class
 
 
 # ------------------------------------------------------------------------------------------------
@@ -594,40 +598,29 @@ def main(argv=None):
 CORE_IMPLS = ('triton', 'torch', 'reference')
 
 
+#: ``--mode core`` implementation -> the core name of :mod:`linattn_mm.ops`
+CORE_NAMES = {'triton': 'triton', 'torch': 'fast', 'reference': 'reference'}
+
+
+def _core_name(impl):
+    if impl not in CORE_NAMES:
+        raise SystemExit(f'--mode core: unknown implementation {impl!r}; choose from {CORE_IMPLS}')
+    return CORE_NAMES[impl]
+
+
 def nala_core_function(impl, q, k, v, sin, cos, eps=1e-6):
     """One call of the NaLa attention core (official kernel, lam = 3, 2-D RoPE) for ``impl``."""
-    from linattn_mm.ops import nala_attention_fast, nala_attention_triton
-    if impl == 'triton':
-        return lambda: nala_attention_triton(q, k, v, 3., eps, sin, cos)
-    work = torch.promote_types(q.dtype, torch.float32)
-    if impl == 'torch':
-        return lambda: nala_attention_fast(q.to(work), k.to(work), v.to(work), 3., eps, sin, cos)
-    if impl == 'reference':
-        m = NormAwareLinearAttention(q.shape[1] * q.shape[-1], q.shape[1], eps=eps, fused=False)
-
-        def reference():  # the module's reference core: features, normaliser, RoPE, then kv
-            qq, kk, vv = q.to(work), k.to(work), v.to(work)
-            phi_q, phi_k, z = m._numerator_features(qq, kk, None, (sin, cos))
-            n = kk.shape[-2]
-            return (phi_q @ ((phi_k.transpose(-2, -1) * n ** -0.5) @ (vv * n ** -0.5))) * z
-        return reference
-    raise SystemExit(f'--mode core: unknown implementation {impl!r}; choose from {CORE_IMPLS}')
+    from linattn_mm.ops.nala import nala_attention
+    core = _core_name(impl)
+    return lambda: nala_attention(q, k, v, 3., eps, sin, cos, core=core)
 
 
 def core_function(impl, q, k, v, p, inv_s, pe, eps=1e-6):
-    """One call of the Pola attention core as the module makes it for ``impl``."""
-    from linattn_mm.models.attentions.pola import polarity_attention
-    from linattn_mm.ops import polarity_attention_fast, polarity_attention_triton
-    if impl == 'triton':  # reads the inputs in their dtype, float32 inside
-        return lambda: polarity_attention_triton(q, k, v, p, eps, inv_scale=inv_s, k_bias=pe)
-    work = torch.promote_types(q.dtype, torch.float32)  # the modules' float32 feature maps
-    if impl == 'torch':
-        return lambda: polarity_attention_fast(q.to(work), k.to(work), v.to(work), p, eps,
-                                               inv_scale=inv_s, k_bias=pe)
-    if impl == 'reference':
-        return lambda: polarity_attention(q.to(work) * inv_s, (k.to(work) + pe) * inv_s,
-                                          v.to(work), p, eps)
-    raise SystemExit(f'--mode core: unknown implementation {impl!r}; choose from {CORE_IMPLS}')
+    """One call of the Pola attention core as the module makes it for ``impl`` (torch cores in
+    float32, the Triton core reading the inputs in their dtype)."""
+    from linattn_mm.ops.pola import polarity_attention
+    core = _core_name(impl)
+    return lambda: polarity_attention(q, k, v, p, eps, 1 / inv_s, pe, core=core)
 
 
 def device_peak_bw(device, given=None):

@@ -2,6 +2,10 @@
 
     python tools/test.py CONFIG CHECKPOINT [--work-dir DIR] [--out FILE] [--show-dir DIR]
                          [--cfg-options k=v ...] [--launcher none|pytorch|slurm|mpi] [--tta]
+                         [--no-convert]
+
+The model's blocks and mixers run their inference forms (:func:`linattn_mm.deploy.convert`: same
+outputs, faster); ``--no-convert`` keeps the plain forms.
 
 The metrics are logged by the evaluator and printed as one JSON line starting with
 ``linattn_mm metrics:``.
@@ -11,6 +15,7 @@ import json
 import numbers
 
 import linattn_mm  # noqa: F401
+from linattn_mm.deploy import convert
 from linattn_mm.runner import (add_common_args, apply_launcher_defaults, build_runner,
                                close_process_group, load_config, parse_with_common)
 
@@ -24,6 +29,8 @@ def parse_args(argv=None):
     p.add_argument('--show-dir', help='save drawn predictions under work_dir/timestamp/DIR')
     p.add_argument('--tta', action='store_true', help='test-time augmentation (tta_model and '
                    'tta_pipeline of the config)')
+    p.add_argument('--no-convert', action='store_true', help='run the plain forms of the blocks '
+                   'and mixers instead of their inference forms (linattn_mm.deploy.convert)')
     return parse_with_common(add_common_args(p), argv)
 
 
@@ -53,6 +60,10 @@ def main(argv=None):
             cfg.test_evaluator = evaluators + [dict(type='DumpResults', out_file_path=args.out)]
     apply_launcher_defaults(cfg)
     runner = build_runner(cfg)
+    if not args.no_convert:
+        # in place, before the checkpoint is loaded: the inference forms keep no copy of a weight
+        # (their caches follow in-place loads), so the loaded weights are the ones that run
+        convert(runner.model)
     try:
         metrics = runner.test()
     except BaseException:

@@ -1,9 +1,9 @@
-"""Fast pure-torch kernel of PolaFormer's polarity-aware linear attention.
+"""Fast pure-torch kernel of PolaFormer's polarity-aware linear attention core.
 
-Same maths as the reference :func:`linattn_mm.models.attentions.pola.polarity_attention` (the
-official order of operations), reorganised so that fewer and cheaper passes over the (N, d)
-tensors are made. Measured on CPU fp32 (``tools/benchmark.py --mode attention``), the dominant costs
-of the official form are the four ``pow`` calls with a per-channel tensor exponent (one scalar
+Same maths as :func:`linattn_mm.ops.pola.reference.polarity_attention_reference` (the official
+order of operations), reorganised so that fewer and cheaper passes over the (N, d) tensors are
+made. Measured on CPU fp32 (``tools/benchmark.py --mode attention``), the dominant costs of the
+official form are the four ``pow`` calls with a per-channel tensor exponent (one scalar
 ``exp(p log x)`` each per element), the ``cat`` copies and the elementwise passes of the
 ``n^-1/2`` rescaling, not the GEMMs (which are O(N d^2) and skinny).
 
@@ -12,9 +12,8 @@ of the official form are the four ``pow`` calls with a per-channel tensor expone
   ``neg = pos - c`` are exact (``c - c == 0``, ``0 - c == |c|``) and are written straight into the two halves of the
   feature buffer ``[relu(x)^p, relu(-x)^p]`` (no ``cat`` copy in inference). ``torch.where`` is
   avoided on purpose: its CPU kernel is several times slower than ``clamp``/``sub``.
-* **Temperature folded.** ``|x / s|`` is ``|x| * (1 / s)`` (``s > 0`` keeps the sign of ``x``);
-  the module passes the raw q and k and ``1 / softplus(scale)``, so no separate ``q / s`` and
-  ``k / s`` tensors are made.
+* **Temperature folded.** ``|x / s|`` is ``|x| * (1 / s)`` (``s > 0`` keeps the sign of ``x``), so
+  no separate ``q / s`` and ``k / s`` tensors are made.
 * **One query-side GEMM for both streams and both normalisers.** ``q_opp @ X == q_sim @ swap(X)``
   (swap exchanges the two d-row halves), so with ``kk = [k+, k-]`` the small matrix
   ``W = [kk^T v, arranged per stream | sum(kk), sum(swap(kk))] / n`` of shape (2d, d + 2) gives the
@@ -32,9 +31,9 @@ rounding (tests: 1e-5 relative in float32, 1e-10 in float64, gradients included)
 """
 import torch
 
-from .common import chunked_layer_setup, grad_needed, linear_into, log2_, sign_split
+from ..common import grad_needed, numpy_log2_, sign_split
 
-__all__ = ['polarity_features', 'polarity_attention_fast', 'polarity_layer_chunked']
+__all__ = ['polarity_features', 'polarity_attention_fast']
 
 
 def polarity_features(x, p, inv_scale=None, grad=None, bias=None):
@@ -68,7 +67,7 @@ def polarity_features(x, p, inv_scale=None, grad=None, bias=None):
     # per-channel exponent, and CPU exp2 ~2.5x faster than exp (log2 0 = -inf -> 2^-inf = 0, as
     # 0^p); ~1 ulp * |p log2|c|| apart from pow. Inference only: the gradient of this form is NaN
     # at c == 0.
-    a = log2_(c.abs()).mul_(p).exp2_()
+    a = numpy_log2_(c.abs()).mul_(p).exp2_()
     a.copysign_(c)  # signed |x/s|^p (CPU copysign is slow on strided operands: keep contiguous)
     return sign_split(a)
 
@@ -91,7 +90,7 @@ def _pos_neg_into(x, p, inv_scale, bias, c, a):
     shape), ``y = (x + bias) * inv_scale``; returns ``(c, a)``. No autograd graph."""
     _scaled_into(x, inv_scale, bias, c)
     # |c|^p as 2^(p * log2|c|) (see polarity_features), then the sign of c
-    log2_(torch.abs(c, out=a)).mul_(p).exp2_().copysign_(c)
+    numpy_log2_(torch.abs(c, out=a)).mul_(p).exp2_().copysign_(c)
     pos = torch.clamp_min(a, 0, out=c)
     return pos, torch.sub(pos, a, out=a)  # relu(c) - c == relu(-c), exactly
 
@@ -154,26 +153,27 @@ def _fast_nograd(q, k, v, p, eps, inv_scale, k_bias):
     return _normalise_into(r, eps, out)
 
 
-def polarity_attention_fast(q, k, v, p, eps=1e-6, inv_scale=None, k_bias=None):
-    """Polarity-aware linear attention, fast form (see the module docstring).
+def polarity_attention_fast(q, k, v, p, eps=1e-6, temperature=None, k_bias=None):
+    """Polarity-aware linear attention, fast form (see the module docstring); the arguments and
+    the result of :func:`~linattn_mm.ops.pola.reference.polarity_attention_reference`.
 
     Args:
         q (Tensor): queries, (B, h, N, d).
-        k (Tensor): keys (position encoding added), (B, h, n, d).
+        k (Tensor): keys, (B, h, n, d).
         v (Tensor): values, (B, h, n, d).
         p (Tensor): exponents broadcastable to (B, h, 1, d), all >= 1.
         eps (float): added to the (mean-normalised) denominators.
-        inv_scale (Tensor, optional): ``1 / softplus(scale)`` broadcastable to (1, h, 1, d): q and
-            k are then the raw projections and the temperature is applied here. Without it, q and
-            k are taken as already divided by the temperature (the reference's convention).
+        temperature (Tensor, optional): ``softplus(scale)`` broadcastable to (1, h, 1, d); q and
+            k are divided by it (here: multiplied by its inverse).
         k_bias (Tensor, optional): added to ``k`` before the temperature (the position encoding,
             broadcastable to (B, h, n, d)).
 
     Returns:
         Tensor: (B, h, N, d); channels ``[0, ceil(d/2))`` hold the same-signed stream, the rest the
-        opposite-signed one, as in the reference. In inference it is a (B, h, N, d) view of a
+        opposite-signed one, as in the reference. Without a gradient it is a (B, h, N, d) view of a
         (B, N, h, d) buffer (``transpose(1, 2).reshape(B, N, h*d)`` is then free).
     """
+    inv_scale = None if temperature is None else 1 / temperature
     if not grad_needed(q, k, v, p, inv_scale, k_bias) and q.dim() == 4:
         return _fast_nograd(q, k, v, p, eps, inv_scale, k_bias)
     n = k.shape[-2]
@@ -193,91 +193,3 @@ def polarity_attention_fast(q, k, v, p, eps=1e-6, inv_scale=None, k_bias=None):
     if d_s * 2 != d:  # odd head dim: unequal halves
         return torch.cat([num[..., :d_s] / den[..., :1], num[..., d_s:] / den[..., 1:]], dim=-1)
     return (num.unflatten(-1, (2, d_s)) / den.unsqueeze(-1)).flatten(-2)
-
-
-#: tokens per chunk of :func:`polarity_layer_chunked`; None: ``LAYER_CHUNK_ELEMENTS // C`` tokens
-#: (at least 256)
-LAYER_CHUNK_ROWS = None
-#: tokens x channels per chunk (measured on CPU, one thread, fp32, Pola-PVT-T layers at 1024²:
-#: best near 2048 tokens at C = 64, 1024 at C = 128, 256-1024 at C = 320 and 512 at C = 512;
-#: 4096 tokens at every width was up to 16 % slower)
-LAYER_CHUNK_ELEMENTS = 2 ** 17
-
-
-def polarity_layer_chunked(x, w_q, b_q, w_kv, b_kv, w_g, b_g, w_proj, b_proj, p, inv_scale, pe,
-                           eps, num_heads, conv_term, rows=None):
-    """The whole Pola layer in inference, ``rows`` tokens of one image at a time (CPU).
-
-    The layer's big intermediates (the (N, 4C) projection, the (N, C) feature halves of q and k,
-    the query-side GEMM's (N, d + 2) results, the normalised streams) are never made whole: each
-    chunk goes through projection, feature map and GEMM while it is in cache, and the buffers are
-    reused from chunk to chunk. Two passes over the tokens of each image:
-
-    1. keys: ``[k | v] = x W_kv^T + b``, the polarity features of ``(k + pe) / s``, and the sums
-       ``k+^T v``, ``k-^T v``, ``sum k+``, ``sum k-`` accumulated over the chunks; ``v`` is kept
-       for the depth-wise conv term.
-    2. queries: ``q``, ``g`` projections, features, ``q+ W+ + q- W-``, normalisation, ``+
-       conv_term(v)``, ``* g`` and the output projection, written into the result.
-
-    Same operations as :func:`polarity_attention_fast` up to the order of the sums over tokens.
-
-    Args:
-        x (Tensor): tokens (B, N, C), float32 / float64, CPU.
-        w_q, b_q, w_g, b_g (Tensor): query and gate projections (C, C), (C, ) (biases optional).
-        w_kv, b_kv (Tensor): key / value projection (2C, C), keys first.
-        w_proj, b_proj (Tensor): output projection (C, C), (C, ).
-        p (Tensor): exponents (C, ) (head-major channel order), all >= 1.
-        inv_scale (Tensor | None): ``1 / softplus(scale)`` (C, ).
-        pe (Tensor | None): position encoding added to k, (N, C).
-        eps (float): added to the mean-normalised denominators.
-        num_heads (int): heads h; the head dim ``C / h`` must be even.
-        conv_term (callable): ``v`` (B, N, C) -> the depth-wise conv term (B, N, C).
-        rows (int, optional): tokens per chunk, default :data:`LAYER_CHUNK_ROWS` or, when that is
-            None, :data:`LAYER_CHUNK_ELEMENTS` ``// C``.
-
-    Returns:
-        Tensor: (B, N, C).
-    """
-    B, N, C, d, rows = chunked_layer_setup('polarity_layer_chunked', x, num_heads, rows,
-                                           LAYER_CHUNK_ROWS, LAYER_CHUNK_ELEMENTS, True, w_q,
-                                           w_kv, w_g, w_proj, p, inv_scale, pe)
-    h = num_heads
-    new = x.new_empty
-
-    # pass 1: keys and values
-    v = new(B, N, C)
-    kv_buf, c_buf, a_buf = new(rows, 2 * C), new(rows, C), new(rows, C)
-    w_pos, w_neg = new(B, h, d, d + 2), new(B, h, d, d + 2)
-    kvp, kvn, ksp, ksn = new(h, d, d), new(h, d, d), new(C), new(C)
-    for b in range(B):
-        for t in (kvp, kvn, ksp, ksn):
-            t.zero_()
-        for s in range(0, N, rows):
-            m = min(rows, N - s)
-            kv = linear_into(x[b, s:s + m], w_kv, b_kv, kv_buf[:m])
-            v[b, s:s + m] = kv[:, C:]
-            kp, kn = _pos_neg_into(kv[:, :C], p, inv_scale, None if pe is None else pe[s:s + m],
-                                   c_buf[:m], a_buf[:m])
-            vh = v[b, s:s + m].view(m, h, d).transpose(0, 1)  # (h, m, d)
-            torch.baddbmm(kvp, kp.view(m, h, d).permute(1, 2, 0), vh, out=kvp)
-            torch.baddbmm(kvn, kn.view(m, h, d).permute(1, 2, 0), vh, out=kvn)
-            ksp.add_(kp.sum(0))
-            ksn.add_(kn.sum(0))
-        _query_weights(kvp, kvn, ksp.view(h, d, 1), ksn.view(h, d, 1), N, w_pos[b], w_neg[b])
-    conv = conv_term(v)
-    del v
-    # pass 2: queries, output
-    out = new(B, N, C)
-    q_buf, g_buf, r_buf, o_buf = new(rows, C), new(rows, C), new(h, rows, d + 2), new(rows, C)
-    for b in range(B):
-        for s in range(0, N, rows):
-            m = min(rows, N - s)
-            xs = x[b, s:s + m]
-            qp, qn = _pos_neg_into(linear_into(xs, w_q, b_q, q_buf[:m]), p, inv_scale, None,
-                                   c_buf[:m], a_buf[:m])
-            r = torch.bmm(qp.view(m, h, d).transpose(0, 1), w_pos[b], out=r_buf[:, :m])
-            torch.baddbmm(r, qn.view(m, h, d).transpose(0, 1), w_neg[b], out=r)
-            _normalise_into(r, eps, o_buf[:m].view(m, h, d).transpose(0, 1))
-            o = o_buf[:m].add_(conv[b, s:s + m]).mul_(linear_into(xs, w_g, b_g, g_buf[:m]))
-            linear_into(o, w_proj, b_proj, out[b, s:s + m])
-    return out
