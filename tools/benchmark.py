@@ -8,6 +8,12 @@
     # the Pola attention layer alone at N = H*W tokens
     python tools/benchmark.py --mode attention --grid 128x128 --heads 3 --head-dims 32 \\
         --impls fast official reference --compare official
+    # training steps (train mode, forward, loss, backward) of backbones against the stock ones,
+    # and of whole detectors / segmentors from configs with their real losses
+    python tools/benchmark.py --mode train pola-swin-t swin-t linattn-swin-t --sizes 800x1344 \
+        --compare swin-t
+    python tools/benchmark.py --mode train configs/swin/mask-rcnn_swin-t_fpn_1x_coco.py \
+        configs/polaformer/mask-rcnn_pola-swin-t_fpn_1x_coco.py --part model --sizes 800x1344
     # the attention core alone (q, k, v in, normalised streams out): time, memory traffic and
     # achieved bandwidth (on CUDA, as a fraction of the device's peak)
     python tools/benchmark.py --mode core --device cuda --dtype bf16 --grid 128x128 256x256 \\
@@ -106,7 +112,8 @@ BACKBONES = {
                      'LinAttnPVT-T with global softmax attention in every stage (quadratic)'),
     'nalaformer-t': (dict(type='NaLaFormer', arch='t'),
                      'NaLaFormer-T (linear NaLa stages 1-2, global softmax stages 3-4)'),
-    'nalaformer-t-linear': (dict(type='NaLaFormer', arch='t', attn_types=('nala', ) * 4),
+    'nalaformer-t-linear': (dict(type='NaLaFormer', arch='t',
+                                 attn_cfg=dict(type='NormAwareLinearAttention')),
                             'NaLaFormer-T with NaLa linear attention in all four stages'),
 }
 
@@ -189,12 +196,17 @@ def nala_modules(model):
     return [m for m in model.modules() if isinstance(m, NormAwareLinearAttention)]
 
 
-def set_impl(model, impl, ffn='auto', device=None):
+def set_impl(model, impl, ffn='auto', device=None, train=False):
     """Give ``model`` the implementation ``impl`` (see the module docstring), undoing the previous
     one: ``fast`` and ``triton`` convert the model (:func:`linattn_mm.deploy.convert`, for CPU or
     CUDA), ``torch`` and ``reference`` leave it unconverted with the mixers' ``core`` set to
     ``'fast'`` / ``'reference'``, ``official`` binds the official Pola forward (NaLa mixers: their
-    reference core). ``ffn='plain'`` keeps the blocks unconverted (the mixers alone differ)."""
+    reference core). ``ffn='plain'`` keeps the blocks unconverted (the mixers alone differ). For
+    training (``train``) nothing is converted: ``fast`` is the default training form."""
+    if train:
+        if impl == 'triton':
+            raise ValueError('--impls triton is forward-only: not for --mode train')
+        impl = 'torch' if impl == 'fast' else impl
     deploy.revert(model)
     for m in pola_modules(model):
         m.__dict__.pop('forward', None)
@@ -318,6 +330,34 @@ def _runner(fn, device, autocast_dtype):
     return run
 
 
+def _train_runner(fn, device, autocast_dtype):
+    """A training step: ``fn`` runs the forward and returns the loss, which is backpropagated."""
+    def run():
+        with torch.autocast(device.type, dtype=autocast_dtype,
+                            enabled=autocast_dtype is not None):
+            loss = fn()
+        loss.backward()
+        return loss.detach()
+    run.train = True
+    return run
+
+
+def train_step(model, inputs):
+    """The loss of one training step of a backbone (``sum(mean(out^2))`` of its outputs), the
+    gradients of the previous step cleared first."""
+    model.zero_grad(set_to_none=True)
+    outs = model(inputs)
+    return sum(o.float().square().mean() for o in outs)
+
+
+def model_train_step(model, inputs, samples):
+    """The summed losses of one training step of a whole model on a synthetic batch."""
+    model.zero_grad(set_to_none=True)
+    losses = model(inputs, [s.clone() for s in samples], mode='loss')
+    loss, _ = model.parse_losses(losses)
+    return loss
+
+
 def peak_memory(run, device):
     """Peak bytes allocated by one forward and how they were measured."""
     gc.collect()
@@ -343,7 +383,8 @@ def measure_interleaved(variants, device, warmup, repeats, autocast_dtype):
     Returns:
         dict: name -> (median s, times, output of the memory run, peak bytes, method).
     """
-    runs = [(name, act, _runner(fn, device, autocast_dtype)) for name, act, fn in variants]
+    runs = [(name, act, fn if getattr(fn, 'train', False) else _runner(fn, device, autocast_dtype))
+            for name, act, fn in variants]
     for _, act, run in runs:
         act()
         for _ in range(warmup):
@@ -374,8 +415,10 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('targets', nargs='*', help='backbone names (--list) or config files; '
                    'unused in --mode attention')
-    p.add_argument('--mode', choices=['backbone', 'model', 'attention', 'core'],
+    p.add_argument('--mode', choices=['backbone', 'model', 'attention', 'core', 'train'],
                    default='backbone')
+    p.add_argument('--part', choices=['backbone', 'model'], default='backbone',
+                   help='--mode train: a config target trains its backbone or its whole model')
     p.add_argument('--list', action='store_true', help='list the built-in backbones and exit')
     p.add_argument('--device', default='cpu', help='cpu | cuda | cuda:N')
     p.add_argument('--dtype', choices=['fp32', 'bf16', 'fp16'], default='fp32',
@@ -471,7 +514,30 @@ def main(argv=None):
         if not args.targets:
             raise SystemExit('give at least one target (a backbone name or a config file)')
         for t in args.targets:
-            if args.mode == 'backbone':
+            train_model = args.mode == 'train' and args.part == 'model' and t not in BACKBONES
+            if args.mode == 'train' and not train_model:
+                def call_train_bb(m, hw):
+                    x = torch.randn(args.batch, 3, *hw, device=device)
+                    return _train_runner(lambda: train_step(m, x), device, ac)
+                jobs.append((t, lambda t=t: build_backbone(t), call_train_bb))
+            elif train_model:
+                def build_train_m(t=t):
+                    from linattn_mm.apis import build_model
+                    cfg = _load_cfg(t)
+                    model = build_model(cfg, pretrained_backbone=False)
+                    model.linattn_bench = cfg
+                    return model
+
+                def call_train_m(model, hw):
+                    from linattn_mm.utils.synthetic import training_batch
+                    inputs, samples = training_batch(model.linattn_bench, hw, args.batch,
+                                                     args.seed)
+                    inputs = inputs.to(device)
+                    samples = [s.to(device) for s in samples]
+                    return _train_runner(lambda: model_train_step(model, inputs, samples),
+                                         device, ac)
+                jobs.append((t, build_train_m, call_train_m))
+            elif args.mode == 'backbone':
                 def call_bb(m, hw):
                     x = torch.randn(args.batch, 3, *hw, device=device)
                     return lambda: m(x)
@@ -502,7 +568,8 @@ def main(argv=None):
         if bar is not None:
             bar.set_postfix_str(f'building {name}')
         model = build().to(device)
-        model.eval()  # (some mmdet backbones' train() returns None)
+        # (some mmdet backbones' train() returns None: no chaining)
+        model.train() if args.mode == 'train' else model.eval()
         _randomise_pola(model, args.seed)
         has_mixers = bool(pola_modules(model) or nala_modules(model))
         impls = args.impls if has_mixers else ['-']
@@ -513,7 +580,8 @@ def main(argv=None):
             torch.manual_seed(args.seed + 1)
             fn_base = call(model, hw)
             variants = [(impl, (lambda impl=impl, model=model: set_impl(
-                model, 'fast' if impl == '-' else impl, args.ffn)), fn_base) for impl in impls]
+                model, 'fast' if impl == '-' else impl, args.ffn, train=args.mode == 'train')),
+                fn_base) for impl in impls]
             try:
                 meas = measure_interleaved(variants, device, args.warmup, args.repeats, ac)
             except (RuntimeError, MemoryError) as e:  # e.g. out of memory
@@ -544,7 +612,7 @@ def main(argv=None):
             if bar is not None:
                 bar.update()
         if has_mixers:
-            set_impl(model, 'fast')
+            set_impl(model, 'fast', train=args.mode == 'train')
         del model
         gc.collect()
         if device.type == 'cuda':
@@ -555,7 +623,8 @@ def main(argv=None):
     for spec in args.compare or []:
         only, base_name = (spec.rsplit(':', 1) if ':' in spec and not osp.exists(spec)
                            else (None, spec))
-        print(f'\n# time ratios: {base_name} / this (> 1 means faster than {base_name})')
+        print(f'\n# time ratios: {base_name} / this (> 1 means faster than {base_name}); peak '
+              f'memory ratios: this / {base_name} (< 1 means leaner)')
         for r in results:
             if only is not None and r['target'] != only:
                 continue
@@ -564,9 +633,13 @@ def main(argv=None):
                 or (b['impl'] == base_name and b['target'] == r['target']))]
             if base and r['target'] != base_name and r['impl'] != base_name:
                 ratio = base[0]['latency_ms'] / r['latency_ms']
+                mem = r['peak_mem_mb'] / max(base[0]['peak_mem_mb'], 1e-9)
                 r['speedup_vs_' + base_name] = ratio
+                r['memory_ratio_vs_' + base_name] = mem
                 print(f'{r["target"]:28s} {r["impl"]:9s} {r["size"][0]}x{r["size"][1]}: '
-                      f'{ratio:.2f}x  ({base[0]["latency_ms"]:.1f} / {r["latency_ms"]:.1f} ms)')
+                      f'{ratio:.2f}x  ({base[0]["latency_ms"]:.1f} / {r["latency_ms"]:.1f} ms); '
+                      f'memory {mem:.2f}x ({r["peak_mem_mb"]:.0f} / '
+                      f'{base[0]["peak_mem_mb"]:.0f} MB)')
 
     # scaling summary
     by = {}

@@ -7,7 +7,9 @@ q (B, h, N, d), k and v (B, h, n, d) per head; ``p`` the exponents (1, h, 1, d);
 
 * :mod:`.reference` — the official order of operations, the oracle (``core='reference'``);
 * :mod:`.fast` — the torch kernel: one power per tensor, one query-side GEMM for both streams and
-  their normalisers, the temperature and ``n^-1/2`` folded (``core='fast'``, the default);
+  their normalisers, the temperature and ``n^-1/2`` folded; with :mod:`.autograd`, the training
+  Function that keeps only q, k, v and two small matrices per head for its analytic backward
+  (``core='fast'``, the default);
 * :mod:`.triton` — the Triton kernel, CUDA inference (``core='triton'``);
 * :mod:`.chunked_cpu` — the whole layer in CPU inference, chunk by chunk (a layer form, used by
   :func:`linattn_mm.deploy.convert`).
@@ -16,7 +18,8 @@ q (B, h, N, d), k and v (B, h, n, d) per head; ``p`` the exponents (1, h, 1, d);
 """
 from ..common import core_dtype, grad_needed, no_autocast
 from ..dispatch import check_core
-from .fast import polarity_attention_fast, polarity_features
+from .autograd import polarity_attention_fast
+from .fast import polarity_features
 from .reference import polarity_attention_reference, polarity_weights_reference
 
 __all__ = ['polarity_attention', 'polarity_attention_reference', 'polarity_attention_fast',
