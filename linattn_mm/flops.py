@@ -62,10 +62,14 @@ class MacCount:
         return f'MacCount({self.gmacs:.4f} GMACs)'
 
 
+#: the attributes that name a module's kernel (``'fast'`` / ``'reference'`` / ``'triton'``)
+CORE_ATTRIBUTES = ('core', 'ffn_core')
+
+
 @contextlib.contextmanager
 def reference_cores(fn):
-    """Run ``fn`` (a module) in its plain forms: the attention mixers with their reference cores
-    (``core='reference'`` on every module that has a ``core``) and converted modules
+    """Run ``fn`` (a module) in its plain forms: the attention mixers and FFNs with their reference
+    cores (every attribute of :data:`CORE_ATTRIBUTES` set to ``'reference'``) and converted modules
     (:func:`linattn_mm.deploy.convert`) with their plain ``forward``; both are restored
     afterwards. The fast cores and the inference forms reorganise the same model (e.g. NaLa's RoPE
     folded into (4d, d) matrices makes its two small GEMMs twice as wide while removing
@@ -77,14 +81,15 @@ def reference_cores(fn):
         yield
         return
     with plain_forms(fn):
-        cores = [(m, m.core) for m in fn.modules() if isinstance(getattr(m, 'core', None), str)]
+        cores = [(m, attr, getattr(m, attr)) for m in fn.modules() for attr in CORE_ATTRIBUTES
+                 if isinstance(getattr(m, attr, None), str)]
         try:
-            for m, _ in cores:
-                m.core = 'reference'
+            for m, attr, _ in cores:
+                setattr(m, attr, 'reference')
             yield
         finally:
-            for m, core in cores:
-                m.core = core
+            for m, attr, core in cores:
+                setattr(m, attr, core)
 
 
 def count_macs(fn, *args, **kwargs):

@@ -91,9 +91,9 @@ def test_module_fast_equals_reference(dtype):
 
 def test_paper_kernel_and_bad_option():
     m = NormAwareLinearAttention(32, 2, kernel='paper')
-    assert m.core == 'reference'  # the cos/sin kernel has only the reference form
-    with pytest.raises(ValueError, match="kernel='paper' has the reference core only"):
-        NormAwareLinearAttention(32, 2, kernel='paper', core='fast')
+    assert m.core == 'fast'  # the cos/sin kernel: its reference recomputed in the backward
+    with pytest.raises(ValueError, match="kernel='paper' has no Triton core"):
+        NormAwareLinearAttention(32, 2, kernel='paper', core='triton')
     with pytest.raises(ValueError, match="core must be one of"):
         NormAwareLinearAttention(32, 2, core='yes')
     with pytest.raises(TypeError, match="'fused' is now core"):

@@ -61,7 +61,7 @@ def test_bad_inputs_are_named():
 def test_module_options_are_checked():
     with pytest.raises(ValueError, match="core must be one of"):
         NormAwareLinearAttention(16, 2, core='auto')
-    with pytest.raises(ValueError, match="kernel='paper' has the reference core only"):
+    with pytest.raises(ValueError, match="kernel='paper' has no Triton core"):
         NormAwareLinearAttention(16, 2, kernel='paper', core='triton')
     m = NormAwareLinearAttention(16, 2, core='triton')
     with pytest.raises(RuntimeError, match='forward-only'):

@@ -38,10 +38,10 @@ Paper vs. official code, and what this module does:
 
 Kernels: the core (feature maps, RoPE, normaliser, the two small GEMMs) runs through
 :func:`linattn_mm.ops.nala.nala_attention`, chosen once by ``core``: ``'fast'`` (the torch kernel
-of the official kernel, :mod:`linattn_mm.ops.nala.fast`; default for ``kernel='official'``),
-``'reference'`` (the official order of operations and the paper's kernel,
-:mod:`linattn_mm.ops.nala.reference`; default for ``kernel='paper'``) or ``'triton'`` (CUDA
-inference). The inference forms of the whole layer come from :func:`linattn_mm.deploy.convert`.
+of the official kernel with the training Function of :mod:`linattn_mm.ops.nala.autograd`; the
+default, for both kernels), ``'reference'`` (plain autograd of the official order of operations and
+of the paper's kernel, :mod:`linattn_mm.ops.nala.reference`) or ``'triton'`` (CUDA inference).
+The inference forms of the whole layer come from :func:`linattn_mm.deploy.convert`.
 
 Precision: everything between the ``qkvg`` projection and ``out_proj`` (LePE, kernel, matmuls,
 LayerNorm and gate) runs in float32 with autocast disabled, as the official code (``k^3`` and the
@@ -198,12 +198,12 @@ class NormAwareLinearAttention(NaLaMixerBase):
         eps (float): added to the denominator. Defaults to 1e-6.
         qkv_bias (bool): bias of the ``qkvg`` projection. Defaults to True.
         proj_drop (float): dropout after ``out_proj``. Defaults to 0.
-        core (str, optional): the attention core, :func:`linattn_mm.ops.nala.nala_attention`:
-            ``'fast'`` (the torch kernel; equal to the reference up to float rounding, gradients
-            included), ``'reference'`` (the official order of operations; the test oracle) or
-            ``'triton'`` (forward-only CUDA kernel, set by :func:`linattn_mm.deploy.convert` for
-            CUDA inference). The paper's kernel has the reference core only. Defaults to None:
-            ``'fast'`` for the official kernel, ``'reference'`` for the paper's.
+        core (str): the attention core, :func:`linattn_mm.ops.nala.nala_attention`: ``'fast'``
+            (default: the training Function, whose backward recomputes the feature maps; equal to
+            the reference up to float rounding, gradients included), ``'reference'`` (plain
+            autograd of the official order of operations; the test oracle) or ``'triton'``
+            (forward-only CUDA kernel of the official kernel, set by
+            :func:`linattn_mm.deploy.convert` for CUDA inference).
         init_cfg (dict, optional): mmengine init config.
 
     ``forward(x, hw_shape, rope=None)`` takes tokens ``(B, H*W, C)``; ``rope`` optionally passes a
@@ -212,19 +212,16 @@ class NormAwareLinearAttention(NaLaMixerBase):
 
     def __init__(self, embed_dims, num_heads, kernel='official', power=3., use_rope=True,
                  rope_base=10000., lepe_kernel_size=5, eps=1e-6, qkv_bias=True, proj_drop=0.,
-                 core=None, init_cfg=None):
+                 core='fast', init_cfg=None):
         super().__init__(embed_dims, num_heads, 0, init_cfg)
         name = type(self).__name__
         if kernel not in KERNELS:
             raise ValueError(f'{name}: kernel must be one of {KERNELS}, got {kernel!r}')
         if power <= 0:
             raise ValueError(f'{name}: power must be positive, got {power}')
-        if core is None:
-            core = 'fast' if kernel == 'official' else 'reference'
         self.core = check_core(name, core)
-        if kernel != 'official' and core != 'reference':
-            raise ValueError(f"{name}: kernel={kernel!r} has the reference core only; got "
-                             f'core={core!r}')
+        if kernel != 'official' and core == 'triton':
+            raise ValueError(f"{name}: kernel={kernel!r} has no Triton core")
         self.kernel = kernel
         self.power = float(power)
         self.eps = float(eps)

@@ -11,6 +11,8 @@ import torch.nn as nn
 import torch.utils.checkpoint as cp
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from linattn_mm.ops.dispatch import check_core
+from linattn_mm.ops.ffn import conv_ffn_branch
 from linattn_mm.registry import register_backbone
 from ..attentions.base import build_attention
 from ..attentions.nala import NaLaMixerBase, RoPE2d
@@ -103,6 +105,10 @@ class NaLaBlock(nn.Module):
             ``None`` or 0 disables LayerScale.
         drop_rate (float): dropout in the FFN and after the attention projection.
         block_idx (int), stage_idx (int): position (passed to the attention builder).
+
+    The ConvFFN half runs as :func:`linattn_mm.ops.ffn.conv_ffn_branch` (``ffn_core='fast'``
+    without dropout): the same values and gradients, with only the map, its LayerNorm statistics
+    and the ``fc1`` output kept for backward; ``ffn_core='reference'`` runs the modules one by one.
     """
 
     def __init__(self, embed_dims, num_heads, attn_cfg, mlp_ratio=4., drop_path=0.,
@@ -123,6 +129,8 @@ class NaLaBlock(nn.Module):
                                                    float(layer_scale_init_value)))
             self.gamma_2 = nn.Parameter(torch.full((1, embed_dims, 1, 1),
                                                    float(layer_scale_init_value)))
+        self.ffn_core = check_core(type(self).__name__, 'reference' if drop_rate else 'fast',
+                                   ('fast', 'reference'))
 
     @property
     def takes_rope(self):
@@ -135,12 +143,19 @@ class NaLaBlock(nn.Module):
         t = self.attn(t, hw, rope=rope) if self.takes_rope else self.attn(t, hw)
         return nlc_to_nchw(t, hw)
 
+    def ffn_branch(self, x):
+        """The ConvFFN branch ``ffn(norm2(x))`` of an NCHW map (see ``ffn_core``)."""
+        if self.ffn_core == 'fast':
+            return conv_ffn_branch(x.permute(0, 2, 3, 1), self.norm2.norm,
+                                   self.ffn).permute(0, 3, 1, 2)
+        return self.ffn(self.norm2(x))
+
     def forward(self, x, rope=None):
         x = x + self.cpe1(x)
         a = self._mix(x, rope)
         x = x + self.drop_path(self.gamma_1 * a if self.layer_scale else a)
         x = x + self.cpe2(x)
-        f = self.ffn(self.norm2(x))
+        f = self.ffn_branch(x)
         return x + self.drop_path(self.gamma_2 * f if self.layer_scale else f)
 
 

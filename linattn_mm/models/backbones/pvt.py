@@ -6,10 +6,9 @@ families built on PVT) load without renaming.
 """
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from linattn_mm.registry import register_backbone
-from ..utils.layers import PatchEmbed, make_blocks, nlc_to_nchw
+from ..utils.layers import PatchEmbed, make_blocks, nlc_to_nchw, resize_grid_embed
 from .base import LinAttnBackbone, drop_path_rates, per_stage, resolve_arch
 
 _PVT_KEYS = ('embed_dims', 'depths', 'num_heads', 'mlp_ratios', 'sr_ratios')
@@ -104,10 +103,7 @@ class _PVTBase(LinAttnBackbone):
             if self.version == 1:
                 pos = getattr(self, f'pos_embed{i + 1}')
                 side = self.pretrain_img_size // self.strides[i]
-                if (side, side) != hw:
-                    pos = pos.reshape(1, side, side, -1).permute(0, 3, 1, 2)
-                    pos = F.interpolate(pos, size=hw, mode='bilinear', align_corners=False)
-                    pos = pos.flatten(2).transpose(1, 2)
+                pos = resize_grid_embed(pos, (side, side), hw, mode='bilinear')
                 x = self.pos_drop(x + pos)
             for blk in getattr(self, f'block{i + 1}'):
                 x = blk(x, hw)

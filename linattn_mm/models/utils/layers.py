@@ -7,6 +7,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as cp
 
 from linattn_mm.models.attentions.base import build_attention
+from linattn_mm.ops.dispatch import check_core
+from linattn_mm.ops.ffn import ffn_branch
 # re-exported for the skeletons
 from .grid import nchw_to_nlc, nlc_to_nchw, resize_grid_embed  # noqa: F401
 
@@ -90,6 +92,12 @@ class TransformerBlock(nn.Module):
         with_cp (bool): gradient checkpointing of this block.
         norm_eps (float): LayerNorm epsilon (official PVT/DeiT: 1e-6, Swin: 1e-5).
         context (dict): extra context for the token mixer (block_idx, pretrain_hw, ...).
+
+    The FFN half runs as :func:`linattn_mm.ops.ffn.ffn_branch` (``ffn_core='fast'``, chosen at
+    construction for the LayerNorm + Linear-GELU-Linear FFN without dropout): the same values and
+    gradients, with only the block input, its LayerNorm statistics and the ``fc1`` output kept for
+    backward. ``ffn_core='reference'`` (the PVTv2 depth-wise FFN, dropout, or set by hand) runs
+    the modules one by one.
     """
 
     def __init__(self, embed_dims, num_heads, attn_cfg, mlp_ratio=4., drop_path=0., drop_rate=0.,
@@ -104,10 +112,19 @@ class TransformerBlock(nn.Module):
         self.norm2 = nn.LayerNorm(embed_dims, eps=norm_eps)
         self.mlp = Mlp(embed_dims, int(embed_dims * mlp_ratio), drop_rate, dwconv_mlp)
         self.with_cp = with_cp
+        lean = (not dwconv_mlp and drop_rate == 0 and type(self.mlp.act) is nn.GELU)
+        self.ffn_core = check_core(type(self).__name__, 'fast' if lean else 'reference',
+                                   ('fast', 'reference'))
+
+    def ffn(self, x, hw_shape):
+        """The FFN branch ``mlp(norm2(x))`` (see ``ffn_core``)."""
+        if self.ffn_core == 'fast':
+            return ffn_branch(x, self.norm2, self.mlp)
+        return self.mlp(self.norm2(x), hw_shape)
 
     def _forward(self, x, hw_shape):
         x = x + self.drop_path(self.attn(self.norm1(x), hw_shape))
-        return x + self.drop_path(self.mlp(self.norm2(x), hw_shape))
+        return x + self.drop_path(self.ffn(x, hw_shape))
 
     def forward(self, x, hw_shape):
         if self.with_cp and x.requires_grad:

@@ -21,15 +21,15 @@ passes over the (N, 2d) feature tensors are made:
 * **Layout.** In inference the result is written directly in (B, N, h, d) memory order, so merging
   the heads afterwards is free.
 
-With a gradient needed, the same structure runs with out-of-place ops and ``pow`` (the gradient of
-``exp(p log|x|)`` is NaN at 0). Results equal the reference up to float rounding (tests: 1e-5
-relative in float32, 1e-10 in float64, gradients included).
+This is the forward of the training Function :class:`linattn_mm.ops.nala.autograd.
+NormAwareAttention` and of the inference forms. Results equal the reference up to float rounding
+(tests: 1e-5 relative in float32, 1e-10 in float64, gradients included).
 """
 import torch
 
-from ..common import grad_needed, numpy_log2_, sign_split
+from ..common import numpy_log2_, sign_split
 
-__all__ = ['nala_attention_fast']
+__all__ = ['nala_forward', 'key_matrix']
 
 
 def _rot_rows(m):
@@ -38,75 +38,70 @@ def _rot_rows(m):
     return torch.stack((-m2[..., 1, :], m2[..., 0, :]), dim=-2).flatten(-3, -2)
 
 
-def _query_features(q, power, grad):
-    """``[relu(d(q))^p, relu(-d(q))^p]`` (..., N, 2d), ``p = power * (0.5 + tanh(||q||))``."""
+def _query_terms(q, power):
+    """``||q||``, ``p = power * (0.5 + tanh(||q||))``, ``log2|q| - log2||q||`` and the signed
+    ``c = sign(q) |d(q)|^p`` (no autograd graph). ``|d(q)|^p = 2^(p (log2|q| - log2||q||))``: no
+    ``q / ||q||`` tensor and no ``pow`` with a per-token exponent (CPU exp2 is ~2.5x faster than
+    exp); ``q = 0`` gives ``log2 0 = -inf`` and ``c = 0``, as ``d(0)^p = 0``."""
     qn = torch.linalg.vector_norm(q, dim=-1, keepdim=True)
-    p = power * (0.5 + torch.tanh(qn))
-    if grad:
-        dq = q / qn.clamp_min(1e-12)
-        a = dq.abs().pow(p)
-        pos = torch.relu(torch.copysign(a, q))
-        return torch.cat([pos, a - pos], dim=-1)
-    # 2^(p * (log2|q| - log2||q||)) (CPU exp2 is ~2.5x faster than exp); q = 0 -> log2 0 = -inf
-    # -> 0, as d(0)^p = 0
-    a = numpy_log2_(q.abs()).sub_(numpy_log2_(qn.clamp_min(1e-12))).mul_(p).exp2_()
-    return sign_split(a.copysign_(q))
+    p = torch.tanh(qn).add_(0.5).mul_(power)
+    rel = numpy_log2_(q.abs()).sub_(numpy_log2_(qn.clamp_min(1e-12)))
+    c = (rel * p).exp2_().copysign_(q)
+    return qn, p, rel, c
 
 
-def _key_features(k, power, grad):
-    """``[relu(k^lam), relu(-k^lam)]`` (..., n, 2d), the sign of k kept in ``k^lam``."""
-    c = k * k * k if power == 3 else k.abs().pow(power) * k.sign()
-    if grad:
-        pos = torch.relu(c)
-        return torch.cat([pos, pos - c], dim=-1)
-    return sign_split(c)
+def _query_features(q, power):
+    """``[relu(d(q))^p, relu(-d(q))^p]`` (..., N, 2d), ``p = power * (0.5 + tanh(||q||))``."""
+    return sign_split(_query_terms(q, power)[-1])
 
 
-def _with_rope(f, sin, cos, grad):
-    """``[f * cos | f * sin]`` (..., N, 4d) of features f (..., N, 2d); sin/cos (N, d)."""
-    c2, s2 = cos.repeat(1, 2), sin.repeat(1, 2)
-    if grad:
-        return torch.cat([f * c2, f * s2], dim=-1)
-    D = f.shape[-1]
+def _key_power(k, power):
+    """``k^lam`` with the sign of k kept (``k * k * k`` for ``lam = 3``)."""
+    return k * k * k if power == 3 else k.abs().pow(power) * k.sign()
+
+
+def _key_features(k, power):
+    """``[relu(k^lam), relu(-k^lam)]`` (..., n, 2d)."""
+    return sign_split(_key_power(k, power))
+
+
+def _with_rope(f, sin, cos):
+    """``[f * cos | f * sin]`` (..., N, 4d) of features f (..., N, 2d); sin/cos (N, d), broadcast
+    over both halves of f (no repeated table)."""
+    D, d = f.shape[-1], cos.shape[-1]
     out = torch.empty(*f.shape[:-1], 2 * D, dtype=f.dtype, device=f.device)
-    torch.mul(f, c2, out=out[..., :D])
-    torch.mul(f, s2, out=out[..., D:])
+    f2 = f.unflatten(-1, (D // d, d))
+    torch.mul(f2, cos.unsqueeze(-2), out=out[..., :D].unflatten(-1, (D // d, d)))
+    torch.mul(f2, sin.unsqueeze(-2), out=out[..., D:].unflatten(-1, (D // d, d)))
     return out
 
 
-def nala_attention_fast(q, k, v, power=3., eps=1e-6, sin=None, cos=None):
-    """Norm-aware linear attention core (official kernel), fast form.
-
-    Args:
-        q (Tensor): queries (B, h, N, d).
-        k (Tensor): keys (B, h, N, d).
-        v (Tensor): values (B, h, N, d).
-        power (float): ``lam`` (key power, scale of the query power). Default 3.
-        eps (float): added to the denominator.
-        sin, cos (Tensor, optional): the 2-D RoPE (N, d) rotating the numerator features
-            (pairs of channels share one angle, as :class:`RoPE2d` makes them); None: no RoPE.
-
-    Returns:
-        Tensor: (B, h, N, d): ``R(phi_q) (R(phi_k)^T v) / N / (phi_q . mean(phi_k) + eps)``; in
-        inference a view of a (B, N, h, d) buffer.
-    """
-    grad = grad_needed(q, k, v, sin, cos)
-    n = k.shape[-2]
-    fq = _query_features(q, power, grad)
-    fk = _key_features(k, power, grad)
-    den = fq @ fk.mean(dim=-2).unsqueeze(-1)  # (B, h, N, 1), unrotated features
-    v = v.to(fk.dtype)
+def key_matrix(fk, v, sin, cos):
+    """The small matrix the query features meet, from the key features ``fk`` (..., n, 2d): without
+    the RoPE ``fk^T v / n`` (2d, d); with it ``[M ; -rot(M)]`` (4d, d), ``M = sum_j R(fk_j) v_j^T
+    / n`` (the rotation folded: ``R(x) . m = (x cos) . m + (x sin) . (-rot(m))``)."""
+    n = fk.shape[-2]
     if sin is None:
-        w = fk.transpose(-2, -1) @ v * (1.0 / n)  # (2d, d)
-    else:
-        D = fk.shape[-1]
-        wk = _with_rope(fk, sin, cos, grad).transpose(-2, -1) @ v  # (4d, d)
-        m = (wk[..., :D, :] + _rot_rows(wk[..., D:, :])) * (1.0 / n)  # sum_j R(phi_k_j) v_j^T
-        w = torch.cat([m, -_rot_rows(m)], dim=-2)  # meets [phi_q * cos | phi_q * sin]
-        fq = _with_rope(fq, sin, cos, grad)
+        return fk.transpose(-2, -1) @ v * (1.0 / n)
+    D = fk.shape[-1]
+    wk = _with_rope(fk, sin, cos).transpose(-2, -1) @ v  # (4d, d)
+    m = (wk[..., :D, :] + _rot_rows(wk[..., D:, :])) * (1.0 / n)
+    return torch.cat([m, -_rot_rows(m)], dim=-2)
+
+
+def nala_forward(q, k, v, power, eps, sin, cos):
+    """The kernel's computation without an autograd graph; returns the output (a (B, h, N, d) view
+    of a (B, N, h, d) buffer), the key-side matrix (:func:`key_matrix`) and the mean key features
+    (..., 2d) of the denominator."""
+    fq = _query_features(q, power)
+    fk = _key_features(k, power)
+    k_mean = fk.mean(dim=-2)
+    den = fq @ k_mean.unsqueeze(-1)  # (B, h, N, 1), unrotated features
+    w = key_matrix(fk, v.to(fk.dtype), sin, cos)
+    del fk
+    if sin is not None:
+        fq = _with_rope(fq, sin, cos)
     num = fq @ w
-    if grad:
-        return num / (den + eps)
     B, h, N, d = num.shape
     out = torch.empty(B, N, h, d, dtype=num.dtype, device=num.device).transpose(1, 2)
-    return torch.div(num, den.add_(eps), out=out)
+    return torch.div(num, den.add_(eps), out=out), w, k_mean
