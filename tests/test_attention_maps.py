@@ -134,7 +134,7 @@ def test_nala_weights_reproduce_forward(kernel, use_rope):
     w = m.attention_weights(x, hw)['weights']
     assert w.shape == (2, HEADS, 30, 30)
     q, k, v, g, lepe = m._project(x, hw)
-    torch.testing.assert_close(m._output(m._gate(w @ v, lepe, g)), m(x, hw))
+    torch.testing.assert_close(m.gated_output(w @ v, lepe, g), m(x, hw))
     if not use_rope:  # without the rotation the weights are a non-negative normalised kernel
         assert (w >= 0).all()
         torch.testing.assert_close(w.sum(-1), torch.ones(2, HEADS, 30, dtype=torch.float64),
@@ -148,7 +148,7 @@ def test_nala_softmax_weights_reproduce_forward():
     w = m.attention_weights(x, hw)['weights']
     _rows_sum_to_one(w)
     q, k, v, g, lepe = m._project(x, hw)
-    torch.testing.assert_close(m._output(m._gate(w @ v, lepe, g)), m(x, hw))
+    torch.testing.assert_close(m.gated_output(w @ v, lepe, g), m(x, hw))
 
 
 @pytest.mark.parametrize('row_normalize', [True, False])

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 
 from linattn_mm.ops.common import core_dtype, no_autocast
 from linattn_mm.ops.dispatch import check_core
+from linattn_mm.ops.lean_layers import NormGatedLinear
 from linattn_mm.ops.nala import (KERNELS, apply_rope, nala_attention, nala_feature_maps,
                                  nala_weights_reference)
 from linattn_mm.registry import ATTENTIONS
@@ -158,17 +159,23 @@ class NaLaMixerBase(BaseTokenMixer):
         sin, cos = rope
         return sin.to(device=device, dtype=dtype), cos.to(device=device, dtype=dtype)
 
-    def _gate(self, out, lepe, g):
-        """(B, h, N, d) core output -> ``LN(out + lepe) * SiLU(g)`` (B, N, C), in the core
-        dtype."""
+    def gated_output(self, out, lepe, g):
+        """``out_proj(LN(out + lepe) * SiLU(g))`` of the (B, h, N, d) core output: LN and gate in
+        the core dtype with autocast off, ``out_proj`` under the caller's autocast. With
+        ``core='reference'`` step by step; otherwise :class:`~linattn_mm.ops.lean_layers.
+        NormGatedLinear`, which keeps ``out + lepe`` and ``g`` only for backward."""
         B, h, N, d = out.shape
-        out = out.transpose(1, 2).reshape(B, N, h * d) + lepe
-        out = F.layer_norm(out, (h * d, ), self.ln.weight.to(out.dtype), self.ln.bias.to(out.dtype),
-                           self.ln.eps)
-        return out * self.act(g)
-
-    def _output(self, y):
-        """``out_proj`` (autocast applies here again) and dropout."""
+        s = out.transpose(1, 2).reshape(B, N, h * d) + lepe
+        ln = self.ln
+        if self.core != 'reference' and type(self.act) is nn.SiLU:
+            if not torch.is_autocast_enabled(s.device.type):
+                s, g = s.to(self.out_proj.weight.dtype), g.to(self.out_proj.weight.dtype)
+            return self.proj_drop(NormGatedLinear.apply(
+                s, ln.weight.to(s.dtype), ln.bias.to(s.dtype), ln.eps, g, self.out_proj.weight,
+                self.out_proj.bias))
+        with no_autocast(s.device):
+            y = F.layer_norm(s, (h * d, ), ln.weight.to(s.dtype), ln.bias.to(s.dtype), ln.eps)
+            y = y * self.act(g)
         if not torch.is_autocast_enabled(y.device.type):
             y = y.to(self.out_proj.weight.dtype)
         return self.proj_drop(self.out_proj(y))
@@ -238,8 +245,7 @@ class NormAwareLinearAttention(NaLaMixerBase):
         sin, cos = self._rope(hw_shape, rope, q.dtype, q.device)
         with no_autocast(x.device):
             out = nala_attention(q, k, v, self.power, self.eps, sin, cos, self.kernel, self.core)
-            y = self._gate(out, lepe, g)
-        return self._output(y)
+        return self.gated_output(out, lepe, g)
 
     has_attention_weights = True
 
@@ -279,12 +285,17 @@ class NaLaSoftmaxAttention(NaLaMixerBase):
         attn_drop (float): dropout on the attention weights (training only). Defaults to 0.
         qkv_bias (bool): bias of the ``qkvg`` projection. Defaults to True.
         proj_drop (float): dropout after ``out_proj``. Defaults to 0.
+        core (str): ``'fast'`` (default: the gated output through
+            :class:`~linattn_mm.ops.lean_layers.NormGatedLinear`) or ``'reference'`` (plain
+            autograd step by step).
         init_cfg (dict, optional): mmengine init config.
     """
 
     def __init__(self, embed_dims, num_heads, use_rope=True, rope_base=10000., lepe_kernel_size=5,
-                 qk_scale=None, attn_drop=0., qkv_bias=True, proj_drop=0., init_cfg=None):
+                 qk_scale=None, attn_drop=0., qkv_bias=True, proj_drop=0., core='fast',
+                 init_cfg=None):
         super().__init__(embed_dims, num_heads, 0, init_cfg)
+        self.core = check_core(type(self).__name__, core, ('fast', 'reference'))
         self.scale = qk_scale or self.head_dims ** -0.5
         self.attn_drop = attn_drop
         self._build_common(embed_dims, qkv_bias, lepe_kernel_size, proj_drop, use_rope, rope_base)
@@ -313,5 +324,4 @@ class NaLaSoftmaxAttention(NaLaMixerBase):
             q, k = self._rotate(q, k, hw_shape, rope)
             out = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=self.attn_drop if self.training else 0., scale=self.scale)
-            y = self._gate(out, lepe, g)
-        return self._output(y)
+        return self.gated_output(out, lepe, g)

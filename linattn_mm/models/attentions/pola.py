@@ -57,6 +57,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from linattn_mm.ops.dispatch import check_core
+from linattn_mm.ops.lean_layers import DepthwiseConvTokens, GatedLinear
 from linattn_mm.ops.pola import polarity_attention, polarity_weights_reference
 from linattn_mm.registry import ATTENTIONS
 from ..utils.grid import nchw_to_nlc, nlc_to_nchw, resize_grid_embed
@@ -94,10 +95,12 @@ class PolaLinearAttention(BaseTokenMixer):
         temperature (bool): divide q and k by ``softplus(scale)`` (official). Default True.
         use_pos_enc (bool): learnable position encoding on K (official). Default True.
         core (str): the attention core, :func:`linattn_mm.ops.pola.polarity_attention`:
-            ``'fast'`` (default: the torch kernel, equal to the reference up to float rounding,
-            gradients included), ``'reference'`` (the official order of operations; the test
-            oracle) or ``'triton'`` (forward-only CUDA kernel; :func:`linattn_mm.deploy.convert`
-            sets it for CUDA inference).
+            ``'fast'`` (default: the training Function, which keeps q, k, v and small matrices
+            for its analytic backward; with it the conv term and the gated output projection keep
+            no copies either, :mod:`linattn_mm.ops.lean_layers`; equal to the reference up to
+            float rounding, gradients included), ``'reference'`` (plain autograd of the official
+            order of operations; the test oracle) or ``'triton'`` (forward-only CUDA kernel;
+            :func:`linattn_mm.deploy.convert` sets it for CUDA inference).
         eps (float): added to the normaliser. Default 1e-6.
         num_extra_tokens (int): class tokens before the grid (see the module docstring).
         qkv_bias (bool): bias of the input projections. Default True.
@@ -277,10 +280,11 @@ class PolaLinearAttention(BaseTokenMixer):
             v = F.interpolate(v.transpose(1, 2), size=H * W, mode='linear').transpose(1, 2)
         w = self.dwc.weight.repeat(self.num_heads, 1, 1, 1)
         b = None if self.dwc.bias is None else self.dwc.bias.repeat(self.num_heads)
+        w, b = w.to(v.dtype), None if b is None else b.to(v.dtype)
+        if self.core != 'reference':  # keeps no copy of the map for backward
+            return DepthwiseConvTokens.apply(v, (H, W), w, b, self.dwc.padding)
         grid = nlc_to_nchw(v, (H, W)).contiguous(memory_format=torch.channels_last)
-        out = F.conv2d(grid, w.to(v.dtype), None if b is None else b.to(v.dtype),
-                       padding=self.dwc.padding, groups=C)
-        return nchw_to_nlc(out)
+        return nchw_to_nlc(F.conv2d(grid, w, b, padding=self.dwc.padding, groups=C))
 
     def attend(self, q, k, v, k_bias=None):
         """The core on (B, N, C) / (B, n, C) tokens (temperature, feature maps, the two
@@ -322,6 +326,8 @@ class PolaLinearAttention(BaseTokenMixer):
             out = torch.cat([out[:, :e], out[:, e:] + conv], dim=1)
         else:
             out = out + conv
+        if g is not None and self.core != 'reference':  # keeps out and g, not their product
+            return self.proj_drop(GatedLinear.apply(out, g, self.proj.weight, self.proj.bias))
         if g is not None:
             out = out * g
         elif self.gate_type == 'static':
