@@ -51,10 +51,11 @@ class DepthwiseConvTokens(torch.autograd.Function):
         dt = grad.dtype
         g_map = grad.reshape(B, H, W, C).permute(0, 3, 1, 2)
         need = ctx.needs_input_grad
-        dv, dw, db = torch.ops.aten.convolution_backward(
-            g_map, _channels_last_map(v.to(dt), ctx.hw_shape), weight.to(dt),
-            [C] if ctx.has_bias else None, [1, 1], list(ctx.padding), [1, 1], False, [0, 0], C,
-            [need[0], need[2], ctx.has_bias and need[3]])
+        # the bias gradient as a sum (the conv backward's own is ~10x slower on CPU)
+        dv, dw, _ = torch.ops.aten.convolution_backward(
+            g_map, _channels_last_map(v.to(dt), ctx.hw_shape), weight.to(dt), None, [1, 1],
+            list(ctx.padding), [1, 1], False, [0, 0], C, [need[0], need[2], False])
+        db = grad.sum((0, 1)) if ctx.has_bias and need[3] else None
         if dv is not None:
             dv = dv.permute(0, 2, 3, 1).reshape(B, N, C).to(v.dtype)
         return dv, None, _to(dw, weight), _to(db, weight), None

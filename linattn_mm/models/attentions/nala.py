@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 from linattn_mm.ops.common import core_dtype, no_autocast
 from linattn_mm.ops.dispatch import check_core
-from linattn_mm.ops.lean_layers import NormGatedLinear
+from linattn_mm.ops.lean_layers import DepthwiseConvTokens, NormGatedLinear
 from linattn_mm.ops.nala import (KERNELS, apply_rope, nala_attention, nala_feature_maps,
                                  nala_weights_reference)
 from linattn_mm.registry import ATTENTIONS
@@ -143,10 +143,13 @@ class NaLaMixerBase(BaseTokenMixer):
         h, d = self.num_heads, self.head_dims
         q, k, v, g = self.qkvg(x).to(core_dtype(x)).view(B, N, 4, C).unbind(2)
         with no_autocast(x.device):
-            lepe = nchw_to_nlc(F.conv2d(
-                nlc_to_nchw(v, hw_shape), self.lepe.weight.to(v.dtype),
-                None if self.lepe.bias is None else self.lepe.bias.to(v.dtype), 1,
-                self.lepe.padding, 1, C))
+            w = self.lepe.weight.to(v.dtype)
+            b = None if self.lepe.bias is None else self.lepe.bias.to(v.dtype)
+            if self.core != 'reference':
+                lepe = DepthwiseConvTokens.apply(v, tuple(hw_shape), w, b, self.lepe.padding)
+            else:
+                lepe = nchw_to_nlc(F.conv2d(nlc_to_nchw(v, hw_shape), w, b, 1,
+                                            self.lepe.padding, 1, C))
         q, k, v = (t.reshape(B, N, h, d).transpose(1, 2) for t in (q, k, v))
         return q, k, v, g, lepe
 
