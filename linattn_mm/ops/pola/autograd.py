@@ -25,36 +25,44 @@ import math
 import torch
 
 from ..common import numpy_log2_
-from .fast import _pos_neg_nograd, polarity_forward, query_side
+from .fast import polarity_forward, query_side
 
 __all__ = ['PolarityAttention', 'polarity_attention_fast']
 
 _LN2 = math.log(2.)
 
 
-def _power_terms(x, p, inv_scale, bias):
-    """``y = (x + bias) * inv_scale``, ``log2|y|`` and ``a = |y|^p`` (no autograd graph)."""
-    y = x if bias is None else x + bias
-    y = y * inv_scale if inv_scale is not None else y.clone()
-    log2 = numpy_log2_(y.abs())
-    return y, log2, torch.exp2(log2 * p)
+class _PowerTerms:
+    """``y = (x + bias) * inv_scale``, ``log2|y|`` and ``a = |y|^p`` of q or k, computed once in
+    the backward for both the features (``x+ = a [y > 0]``, ``x- = a [y < 0]``) and their
+    gradients (no autograd graph)."""
 
+    def __init__(self, x, p, inv_scale, bias):
+        self.x, self.p, self.inv_scale, self.bias = x, p, inv_scale, bias
+        y = x if bias is None else x + bias
+        self.y = y * inv_scale if inv_scale is not None else y.clone()
+        self.log2 = numpy_log2_(self.y.abs())
+        a = torch.exp2(self.log2 * p).copysign_(self.y)  # signed |y|^p
+        self.pos = a.clamp_min(0)
+        self.neg = a.neg_().add_(self.pos)  # relu(c) - c == relu(-c), exactly
 
-def _feature_backward(dpos, dneg, x, p, inv_scale, bias):
-    """From the gradients of ``x+ = relu(y)^p`` and ``x- = relu(-y)^p`` to those of ``x``, of the
-    bias (the same tensor, to be summed by the caller), of ``inv_scale`` and of ``p`` (summed
-    over the tokens and the batch, not yet to the parameter's shape)."""
-    y, log2, a = _power_terms(x, p, inv_scale, bias)
-    pos = y > 0
-    g = torch.where(pos, dpos, dneg).mul_(a)  # G = da * a
-    nonzero = y != 0
-    dy = torch.where(nonzero, g * p / y, 0.)
-    dp = torch.where(nonzero, g * log2, 0.).mul_(_LN2)
-    dx = dy * inv_scale if inv_scale is not None else dy
-    d_inv = None
-    if inv_scale is not None:
-        d_inv = dy.mul_(x if bias is None else x + bias)
-    return dx, d_inv, dp
+    def features(self):
+        """``(x+, x-)``."""
+        return self.pos, self.neg
+
+    def backward(self, dpos, dneg):
+        """From the gradients of ``x+``, ``x-`` to those of ``x`` (and of the bias: the same
+        tensor, summed by the caller), of ``inv_scale`` and of ``p`` (summed over the tokens and
+        the batch, not yet to the parameters' shapes)."""
+        g = torch.addcmul(dpos * self.pos, dneg, self.neg)  # G = da * a (x+, x- hold a)
+        nonzero = self.y != 0
+        dy = torch.where(nonzero, g * self.p / self.y, 0.)
+        dp = torch.where(nonzero, g.mul_(self.log2), 0.).mul_(_LN2)
+        dx = dy * self.inv_scale if self.inv_scale is not None else dy
+        d_inv = None
+        if self.inv_scale is not None:
+            d_inv = dy.mul_(self.x if self.bias is None else self.x + self.bias)
+        return dx, d_inv, dp
 
 
 def _key_matrix_grads(dw_pos, dw_neg, d, n):
@@ -86,7 +94,8 @@ class PolarityAttention(torch.autograd.Function):
         n, d = k.shape[-2], q.shape[-1]
         d_s = (d + 1) // 2
         # queries: recompute q+, q- and r, then the output's gradient through the division
-        qp, qn = _pos_neg_nograd(q, p, inv_scale)
+        q_terms = _PowerTerms(q, p, inv_scale, None)
+        qp, qn = q_terms.features()
         r = query_side(qp, qn, w_pos, w_neg)
         den = r[..., d:] + ctx.eps  # (B, h, N, 2)
         den_c = torch.cat([den[..., :1].expand(*den.shape[:-1], d_s),
@@ -100,17 +109,19 @@ class PolarityAttention(torch.autograd.Function):
         dw_neg = qn.transpose(-2, -1) @ dr
         dqp, dqn = dr @ w_pos.transpose(-2, -1), dr @ w_neg.transpose(-2, -1)
         del qp, qn, dr
-        dq, d_inv_q, dp_q = _feature_backward(dqp, dqn, q, p, inv_scale, None)
-        del dqp, dqn
+        dq, d_inv_q, dp_q = q_terms.backward(dqp, dqn)
+        del dqp, dqn, q_terms
         # keys: k+^T v, k-^T v and the key sums
         dkvp, dkvn, dksp, dksn = _key_matrix_grads(dw_pos, dw_neg, d, n)
-        kp, kn = _pos_neg_nograd(k, p, inv_scale, k_bias)
+        k_terms = _PowerTerms(k, p, inv_scale, k_bias)
+        kp, kn = k_terms.features()
         vv = v.to(kp.dtype)
         dv = kp @ dkvp + kn @ dkvn
         dkp = (vv @ dkvp.transpose(-2, -1)).add_(dksp.unsqueeze(-2))
         dkn = (vv @ dkvn.transpose(-2, -1)).add_(dksn.unsqueeze(-2))
         del kp, kn
-        dk, d_inv_k, dp_k = _feature_backward(dkp, dkn, k, p, inv_scale, k_bias)
+        dk, d_inv_k, dp_k = k_terms.backward(dkp, dkn)
+        del k_terms
         grads_p = (dp_q.sum_to_size(p.shape) + dp_k.sum_to_size(p.shape)
                    if ctx.needs_input_grad[3] else None)
         d_inv = None
