@@ -195,6 +195,19 @@ BACKBONES = {
         arch=dict(embed_dims=[16, 32, 32, 64], depths=[1, 2, 1, 1], num_heads=[1, 2, 2, 4],
                   mlp_ratios=[2, 2, 2, 2], layer_scale_init_values=[0.5] * 4),
         drop_path_rate=0., **kw),
+    'padre-pvt degree 3': lambda **kw: LinAttnPVT(
+        arch=SMALL_PVT, attn_cfg=dict(type='PADReMixer', degree=3, kernel_size=5),
+        pretrain_img_size=64, drop_path_rate=0., **kw),
+    'poly-swin windows': lambda **kw: LinAttnSwin(
+        arch=dict(embed_dims=24, depths=[1, 1, 2, 1], num_heads=[3, 3, 6, 12]),
+        attn_cfg=dict(type='PolySelfAttention', window_size=4), pretrain_img_size=64,
+        drop_path_rate=0., **kw),
+    'poly-deit class token': lambda **kw: LinAttnViT(
+        arch=dict(embed_dims=48, depth=4, num_heads=3), attn_cfg=dict(type='PolySelfAttention'),
+        pretrain_img_size=64, drop_path_rate=0., **kw),
+    'setformer-pvt': lambda **kw: LinAttnPVT(
+        arch=SMALL_PVT, attn_cfg=dict(type='SeTAttention', num_refs=16, num_iters=5, eps=0.3),
+        pretrain_img_size=64, drop_path_rate=0., **kw),
     'nalaformer paper kernel': lambda **kw: NaLaFormer(
         arch=dict(embed_dims=[16, 32, 32, 64], depths=[1, 1, 1, 1], num_heads=[1, 2, 2, 4],
                   mlp_ratios=[2, 2, 2, 2]),

@@ -9,14 +9,26 @@ backward than plain autograd and recompute the rest (same values, same gradients
   ``g``, not their product.
 * :class:`NormGatedLinear` — ``linear(layer_norm(s) * silu(g))`` (NaLa's output): keeps ``s``,
   its LayerNorm statistics and ``g``, not the normalised map, the gate or their product.
+* :func:`recomputed` — any function of a mixer that keeps only its inputs and runs once more in
+  the backward (PADRe, Poly-SA and SeT, whose polynomial products, pooled terms or transport
+  plans are many maps a token but cheap to recompute from the mixer's input).
 
 Under autocast the products run in the autocast dtype as in the plain form; the backward computes
 in the dtype of the incoming gradient and returns each gradient in its input's dtype.
 """
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-__all__ = ['DepthwiseConvTokens', 'GatedLinear', 'NormGatedLinear']
+__all__ = ['DepthwiseConvTokens', 'GatedLinear', 'NormGatedLinear', 'recomputed']
+
+
+def recomputed(fn, *args):
+    """``fn(*args)``, keeping for backward only the tensors among ``args`` (and the parameters
+    ``fn`` reads): the backward runs ``fn`` again under autograd (non-reentrant checkpointing,
+    with the random state and autocast of the first run), so the gradients are those of ``fn``.
+    Without a gradient it simply runs ``fn``."""
+    return checkpoint(fn, *args, use_reentrant=False)
 
 
 def _to(t, like):

@@ -31,6 +31,8 @@ import torch
 import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
+from linattn_mm.ops.dispatch import check_core
+from linattn_mm.ops.lean_layers import recomputed
 from linattn_mm.registry import ATTENTIONS
 from .base import BaseTokenMixer, merge_heads, run_in_fp32, split_heads
 
@@ -335,6 +337,9 @@ class SeTAttention(BaseTokenMixer):
             float32). Default True.
         num_extra_tokens (int): class tokens before the grid (transported like grid tokens, no
             positional term). Default 0.
+        core (str): ``'fast'`` (default: the training form, which keeps only the mixer's input for
+            backward and runs the mixer once more in the backward, :func:`linattn_mm.ops.
+            lean_layers.recomputed`; the same gradients) or ``'reference'`` (plain autograd).
         init_cfg (dict, optional): mmengine init config.
 
     Parameters: ``v`` Linear(C, C), ``proj`` Linear(C, C), ``refs`` (h, m, d) (+ ``k`` Linear(C, C)
@@ -349,7 +354,8 @@ class SeTAttention(BaseTokenMixer):
     def __init__(self, embed_dims, num_heads, num_refs=500, eps=0.1, num_iters=30, tau=0.5,
                  position='kernel', kernel='gaussian', sigma=0.5, num_anchors=64,
                  nystrom_reg=1e-3, cost_features='x', row_normalize=True, refs_learnable=True,
-                 qkv_bias=True, proj_drop=0., fp32=True, num_extra_tokens=0, init_cfg=None):
+                 qkv_bias=True, proj_drop=0., fp32=True, num_extra_tokens=0, core='fast',
+                 init_cfg=None):
         super().__init__(embed_dims, num_heads, num_extra_tokens=num_extra_tokens,
                          init_cfg=init_cfg)
         name = type(self).__name__
@@ -372,6 +378,7 @@ class SeTAttention(BaseTokenMixer):
         if cost_features not in self.COST_FEATURES:
             raise ValueError(f'{name}: cost_features must be one of {self.COST_FEATURES}, '
                              f'got {cost_features!r}')
+        self.core = check_core(name, core, ('fast', 'reference'))
         C, h, d = embed_dims, num_heads, self.head_dims
         self.num_refs = num_refs
         self.eps = float(eps)
@@ -475,6 +482,11 @@ class SeTAttention(BaseTokenMixer):
 
         Returns: Tensor (B, N, C) (float32 under autocast when ``fp32``)."""
         self.check_input(x, hw_shape)
+        if self.core == 'fast':
+            return recomputed(self._mix, x, tuple(hw_shape), key_padding_mask)
+        return self._mix(x, hw_shape, key_padding_mask)
+
+    def _mix(self, x, hw_shape, key_padding_mask):
         return run_in_fp32(self._forward, x, hw_shape, key_padding_mask, enabled=self.fp32)
 
     def _forward(self, x, hw_shape, key_padding_mask):
