@@ -239,8 +239,24 @@ def parse_size(s):
     return int(s), int(s)
 
 
+def _compare_spec(spec):
+    """``'BASE'`` -> (None, BASE); ``'TARGET:BASE'`` -> (TARGET, BASE); the ``::`` of a stock
+    config name (``mmdet::swin/...``) is not a separator."""
+    import re
+    seps = [m.start() for m in re.finditer(r'(?<!:):(?!:)', spec)]
+    if not seps or osp.exists(spec):
+        return None, spec
+    return spec[:seps[-1]], spec[seps[-1] + 1:]
+
+
 def _load_cfg(path):
+    """A config file, or a stock OpenMMLab config named ``'mmdet::swin/...py'`` (the config folder
+    shipped inside the installed package)."""
     from mmengine.config import Config
+    if '::' in path and not osp.exists(path):
+        from mmengine.utils import get_installed_path
+        package, rel = path.split('::', 1)
+        path = osp.join(get_installed_path(package), '.mim', 'configs', rel)
     return Config.fromfile(path)
 
 
@@ -621,8 +637,7 @@ def main(argv=None):
         bar.close()
 
     for spec in args.compare or []:
-        only, base_name = (spec.rsplit(':', 1) if ':' in spec and not osp.exists(spec)
-                           else (None, spec))
+        only, base_name = _compare_spec(spec)
         print(f'\n# time ratios: {base_name} / this (> 1 means faster than {base_name}); peak '
               f'memory ratios: this / {base_name} (< 1 means leaner)')
         for r in results:
