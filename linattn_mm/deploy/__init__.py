@@ -12,8 +12,7 @@ module                                    CPU form                    | CUDA for
 ``WindowSoftmaxAttention``                windows a group at a time   |
 ``TransformerBlock`` (no PVTv2 FFN)       FFN half fused, in place    |
 ``PatchEmbed`` (non-overlapping)          one GEMM on the patches     |
-``NaLaFormer`` and its blocks / stem      channels-last, in place,    |
-                                          banded ConvFFN              |
+NaLaFormer's blocks, stem, merging     in place, banded ConvFFN    |
 ========================================  ==================================================
 
 A converted module keeps its class's parameters, buffers and state-dict keys (its class is
@@ -29,8 +28,8 @@ import warnings
 
 import torch
 
-from .blocks import (ConvPatchMergingCPU, ConvStemCPU, NaLaBlockCPU, NaLaFormerCPU,
-                     PatchEmbedCPU, TransformerBlockCPU)
+from .blocks import (ConvPatchMergingCPU, ConvStemCPU, NaLaBlockCPU, PatchEmbedCPU,
+                     TransformerBlockCPU)
 from .common import InferenceForm
 from .mixers import (NormAwareLinearAttentionCPU, NormAwareLinearAttentionTriton,
                      PolaLinearAttentionCPU, PolaLinearAttentionTriton, WindowSoftmaxAttentionCPU)
@@ -40,8 +39,7 @@ __all__ = ['convert', 'revert', 'converted_modules', 'plain_forms', 'FORMS', 'In
 #: device type -> the inference forms, each converting instances of exactly its ``base_class``
 FORMS = {
     'cpu': (PolaLinearAttentionCPU, NormAwareLinearAttentionCPU, WindowSoftmaxAttentionCPU,
-            TransformerBlockCPU, PatchEmbedCPU, NaLaFormerCPU, ConvStemCPU, ConvPatchMergingCPU,
-            NaLaBlockCPU),
+            TransformerBlockCPU, PatchEmbedCPU, ConvStemCPU, ConvPatchMergingCPU, NaLaBlockCPU),
     'cuda': (PolaLinearAttentionTriton, NormAwareLinearAttentionTriton),
 }
 
@@ -77,7 +75,7 @@ def convert(model, device=None):
         form = by_class.get(type(m))
         if form is None or form.unsupported(m) is not None:
             continue
-        if form.skips_inner_hooks and _has_hooks(m):
+        if _has_hooks(m):
             skipped.append(name or type(m).__name__)
             continue
         if getattr(form, 'device_type', 'cpu') == 'cuda':

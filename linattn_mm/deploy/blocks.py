@@ -5,11 +5,10 @@
   the residual in place (up to 2.3x faster at stage-1 sizes, equal at stage 3-4 sizes);
 * :class:`PatchEmbedCPU` — non-overlapping patch embedding as one GEMM on the gathered patches
   (a strided conv of a channels-last stage output was 2-3x slower at high resolution);
-* :class:`NaLaFormerCPU` — the input made channels-last (the convs run faster and the token views
-  of the maps need no transposing copies), with :class:`ConvStemCPU`,
-  :class:`ConvPatchMergingCPU` (BatchNorm and GELU in place on the fresh conv outputs) and
-  :class:`NaLaBlockCPU` (the residual sums in place, the ConvFFN half in bands of image rows by
-  :func:`linattn_mm.ops.ffn.conv_ffn_residual_`).
+* NaLaFormer: :class:`ConvStemCPU`, :class:`ConvPatchMergingCPU` (BatchNorm and GELU in place on
+  the fresh conv outputs) and :class:`NaLaBlockCPU` (the residual sums in place, the ConvFFN half
+  in bands of image rows by :func:`linattn_mm.ops.ffn.conv_ffn_residual_`, on the channels-last
+  maps NaLaFormer works on).
 
 These forms call layers of a block as functions and update fresh buffers in place: forward hooks
 on modules inside a converted block may not run. :func:`linattn_mm.deploy.convert` leaves modules
@@ -20,15 +19,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from linattn_mm.models.backbones.nalaformer import (ConvPatchMerging, ConvStem, NaLaBlock,
-                                                    NaLaFormer)
+from linattn_mm.models.backbones.nalaformer import ConvPatchMerging, ConvStem, NaLaBlock
 from linattn_mm.models.utils.grid import nchw_to_nlc, nlc_to_nchw
 from linattn_mm.models.utils.layers import PatchEmbed, TransformerBlock
 from linattn_mm.ops.ffn import channels_last_map, conv_ffn_residual_, ffn_residual_
 from .common import InferenceForm
 
-__all__ = ['TransformerBlockCPU', 'PatchEmbedCPU', 'NaLaFormerCPU', 'ConvStemCPU',
-           'ConvPatchMergingCPU', 'NaLaBlockCPU']
+__all__ = ['TransformerBlockCPU', 'PatchEmbedCPU', 'ConvStemCPU', 'ConvPatchMergingCPU',
+           'NaLaBlockCPU']
 
 
 class TransformerBlockCPU(InferenceForm, TransformerBlock):
@@ -138,7 +136,7 @@ class NaLaBlockCPU(InferenceForm, NaLaBlock):
     """A NaLaFormer block with the residual sums in place on the fresh branch outputs and the
     ConvFFN half ``x += gamma_2 * fc2(h + dwconv(h))``, ``h = gelu(fc1(norm2(x)))``, in bands of
     image rows with no map of the hidden width made whole. Needs a channels-last map (as
-    :class:`NaLaFormerCPU` makes them)."""
+    NaLaFormer's forward makes them)."""
     base_class = NaLaBlock
 
     @classmethod
@@ -168,13 +166,3 @@ class NaLaBlockCPU(InferenceForm, NaLaBlock):
             x, norm.weight, norm.bias, norm.eps, ffn.fc1.weight, ffn.fc1.bias, ffn.dwconv.weight,
             ffn.dwconv.bias, ffn.fc2.weight, ffn.fc2.bias,
             self.gamma_2.view(-1) if self.layer_scale else None, ffn.act.approximate)
-
-
-class NaLaFormerCPU(InferenceForm, NaLaFormer):
-    """NaLaFormer in CPU inference on channels-last maps."""
-    base_class = NaLaFormer
-    skips_inner_hooks = False
-
-    def forward(self, x):
-        self.check_inference(x)
-        return super().forward(x.contiguous(memory_format=torch.channels_last))

@@ -27,9 +27,6 @@ class InferenceForm:
     autocast_ok = False
     #: forms that need the input in the parameters' dtype (float32 / float64)
     same_dtype = False
-    #: forms that call layers inside them as functions or update their outputs in place (modules
-    #: with forward hooks are not given such a form)
-    skips_inner_hooks = True
 
     @classmethod
     def unsupported(cls, module):

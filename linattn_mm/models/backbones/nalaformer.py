@@ -339,7 +339,9 @@ class NaLaFormer(LinAttnBackbone):
         return mods
 
     def forward(self, x):
-        x = self.patch_embed(x)
+        # channels-last maps: the convs run faster on CPU and the LayerNorms over the channels and
+        # the mixers' token views of the maps need no transposing copies
+        x = self.patch_embed(x.contiguous(memory_format=torch.channels_last))
         outs = []
         for i, stage in enumerate(self.layers):
             out, down = stage(x)
