@@ -11,6 +11,7 @@ import json
 import numbers
 
 import linattn_mm  # noqa: F401
+from linattn_mm.checkpoint import safe_globals
 from linattn_mm.runner import (add_common_args, apply_launcher_defaults, build_runner,
                                close_process_group, load_config, parse_with_common)
 
@@ -54,7 +55,8 @@ def main(argv=None):
     apply_launcher_defaults(cfg)
     runner = build_runner(cfg)
     try:
-        metrics = runner.test()
+        with safe_globals():  # mmengine checkpoints hold HistoryBuffers and numpy values
+            metrics = runner.test()
     except BaseException:
         close_process_group(wait=False)
         raise
