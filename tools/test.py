@@ -15,6 +15,7 @@ import json
 import numbers
 
 import linattn_mm  # noqa: F401
+from linattn_mm.checkpoint import safe_globals
 from linattn_mm.deploy import convert
 from linattn_mm.runner import (add_common_args, apply_launcher_defaults, build_runner,
                                close_process_group, load_config, parse_with_common)
@@ -65,7 +66,8 @@ def main(argv=None):
         # (their caches follow in-place loads), so the loaded weights are the ones that run
         convert(runner.model)
     try:
-        metrics = runner.test()
+        with safe_globals():  # mmengine checkpoints hold HistoryBuffers and numpy values
+            metrics = runner.test()
     except BaseException:
         close_process_group(wait=False)
         raise

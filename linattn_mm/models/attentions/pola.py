@@ -201,6 +201,14 @@ class PolaLinearAttention(BaseTokenMixer):
             if self.gate_type == 'static':
                 self.gate.fill_(1.)
 
+    def resize_checkpoint_tensor(self, name, src):
+        """A checkpoint's ``positional_encoding`` (1, h*w, C) from another pretraining grid: its
+        grid resized bicubically to this module's (no class rows). Other names: not resized."""
+        if name != 'positional_encoding':
+            return None
+        from linattn_mm.checkpoint.resize import resize_grid_tokens
+        return resize_grid_tokens(name, src, self.positional_encoding.shape, max_extra=0)
+
     def extra_repr(self):
         return (f'layout={self.qkv_layout}, heads={self.num_heads}, alpha={self.alpha}, '
                 f'kernel_size={self.kernel_size}, la_sr_ratio={self.la_sr_ratio}, '

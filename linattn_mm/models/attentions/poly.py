@@ -318,6 +318,24 @@ class PolySelfAttention(BaseTokenMixer):
         super().init_weights()
         self.reset_tables()
 
+    def resize_checkpoint_tensor(self, name, src):
+        """``p1`` / ``p2`` of a checkpoint from another pretraining grid (or window): resized like
+        a position embedding (class rows kept, grid bicubic). With ``rescale_p2`` the grid part of
+        ``p2`` is also scaled by (checkpoint positions / model positions), keeping its sum, as
+        :meth:`_table` does for an input of another size. Other names: not resized."""
+        if name not in ('p1', 'p2'):
+            return None
+        from linattn_mm.checkpoint.resize import resize_grid_tokens, split_grid_tokens
+        dst_shape = getattr(self, name).shape
+        out, note = resize_grid_tokens(name, src, dst_shape, max_extra=1)
+        n_src = split_grid_tokens(name, src.shape[-2], 1, 'checkpoint')[1] ** 2
+        e_dst, side = split_grid_tokens(name, dst_shape[-2], 1, 'model')
+        if name == 'p2' and self.rescale_p2 and n_src != side * side:
+            out = out.clone()
+            out[..., e_dst:, :] *= n_src / (side * side)
+            note = '; '.join(n for n in (note, f'grid part scaled by {n_src}/{side * side}') if n)
+        return out, note
+
     def _table(self, table, src_hw, dst_hw, rescale):
         """(1, e + grid, h) table for the actual grid -> (h, e + n)."""
         e = self.num_extra_tokens

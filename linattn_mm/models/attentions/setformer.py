@@ -321,22 +321,16 @@ class SeTAttention(BaseTokenMixer):
             self.anchors.copy_(anc.to(self.anchors))
         return cost
 
-    def extra_repr(self):
-        return (f'num_refs={self.num_refs}, eps={self.eps}, num_iters={self.num_iters}, '
-                f'tau={self.tau}, position={self.position!r}, kernel={self.kernel!r}, '
-                f'sigma={self.sigma}, cost_features={self.cost_features!r}')
-
-
-def _register_refs_resizer():
-    """Checkpoints at another m (ImageNet m=500 -> COCO 750 / ADE 800): adapt ``refs`` with
-    :func:`resize_refs` (seeded, deterministic) instead of failing on the shape mismatch."""
-    from linattn_mm.checkpoint import CheckpointError, register_resizer
-
-    @register_resizer(r'attn\.refs$')
-    def resize_setformer_refs(key, src, dst_shape):
-        if src.dim() != 3 or len(dst_shape) != 3 or src.shape[0] != dst_shape[0] or \
-                src.shape[2] != dst_shape[2]:
-            raise CheckpointError(f"'{key}': SeT references {tuple(src.shape)} cannot become "
+    def resize_checkpoint_tensor(self, name, src):
+        """Checkpoints at another m (ImageNet m=500 -> COCO 750 / ADE 800): ``refs`` adapted with
+        :func:`resize_refs` (seeded, deterministic) instead of failing on the shape mismatch.
+        Other names: not resized."""
+        if name != 'refs':
+            return None
+        from linattn_mm.checkpoint import CheckpointError
+        dst_shape = self.refs.shape
+        if src.dim() != 3 or src.shape[0] != dst_shape[0] or src.shape[2] != dst_shape[2]:
+            raise CheckpointError(f"'{name}': SeT references {tuple(src.shape)} cannot become "
                                   f'{tuple(dst_shape)} (heads and head dims must match)')
         gen = torch.Generator().manual_seed(0)
         out = resize_refs(src, dst_shape[1], generator=gen)
@@ -344,5 +338,8 @@ def _register_refs_resizer():
             'source references plus perturbed copies'
         return out, f'SeT references {src.shape[1]} -> {dst_shape[1]} ({how})'
 
+    def extra_repr(self):
+        return (f'num_refs={self.num_refs}, eps={self.eps}, num_iters={self.num_iters}, '
+                f'tau={self.tau}, position={self.position!r}, kernel={self.kernel!r}, '
+                f'sigma={self.sigma}, cost_features={self.cost_features!r}')
 
-_register_refs_resizer()

@@ -144,6 +144,14 @@ class WindowSoftmaxAttention(BaseTokenMixer):
         bias = self.relative_position_bias_table[self.relative_position_index.view(-1)]
         return bias.view(n, n, -1).permute(2, 0, 1).contiguous()  # (h, n, n)
 
+    def resize_checkpoint_tensor(self, name, src):
+        """A checkpoint's ``relative_position_bias_table`` from another window size: each head's
+        table resized bicubically. Other names: not resized."""
+        if name != 'relative_position_bias_table':
+            return None
+        from linattn_mm.checkpoint.resize import resize_relative_position_table
+        return resize_relative_position_table(name, src, self.relative_position_bias_table.shape)
+
     def _geometry(self, hw_shape):
         """(shift, padded H, padded W) of an H×W grid."""
         H, W = hw_shape

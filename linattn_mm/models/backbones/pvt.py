@@ -4,6 +4,8 @@ Module names follow the official PVT / PVTv2 code (``patch_embed{i}``, ``pos_emb
 ``block{i}.{j}``, ``norm{i}``), so official ImageNet checkpoints (and those of linear-attention
 families built on PVT) load without renaming.
 """
+import re
+
 import torch
 import torch.nn as nn
 
@@ -155,6 +157,15 @@ class LinAttnPVT(_PVTBase):
 
     def patch_geometry(self, i):
         return (4, 4, 0) if i == 0 else (2, 2, 0)
+
+    def resize_checkpoint_tensor(self, name, src):
+        """``pos_embed{i}`` of a checkpoint from another pretraining size: grid resized
+        bicubically; the class-token row of the official last stage is dropped (and noted).
+        Other names: not resized."""
+        if re.fullmatch(r'pos_embed\d+', name) is None:
+            return None
+        from linattn_mm.checkpoint.resize import resize_pos_embed
+        return resize_pos_embed(name, src, getattr(self, name).shape)
 
 
 @register_backbone
