@@ -300,3 +300,22 @@ def test_lean_mixer_keeps_the_projection_and_a_few_token_maps(cfg):
     m_ref = reference_copy(m)
     full = saved_bytes(lambda: m_ref(x, (H, W)), m_ref.parameters()) / token_map
     assert lean < 7 < 15 < full, (lean, full)
+
+
+@pytest.mark.parametrize('B,C,H,W,k', [(1, 24, 50, 37, 5), (2, 8, 5, 6, 5), (1, 4, 3, 9, 7),
+                                       (3, 16, 20, 11, 5), (1, 6, 1, 12, 5)])
+def test_depthwise_weight_grad_in_bands(B, C, H, W, k):
+    """The weight gradient of a depth-wise conv as a forward conv of the padded input with the
+    gradient as kernel, in bands of rows, against the float64 conv backward."""
+    from linattn_mm.ops.lean_layers import depthwise_weight_grad
+    g = torch.Generator().manual_seed(B * H)
+    x = torch.randn(B, C, H, W, generator=g, dtype=torch.float64)
+    grad = torch.randn(B, C, H, W, generator=g, dtype=torch.float64)
+    w = torch.randn(C, 1, k, k, generator=g, dtype=torch.float64)
+    want = torch.ops.aten.convolution_backward(grad, x, w, None, [1, 1], [k // 2] * 2, [1, 1],
+                                               False, [0, 0], C, [False, True, False])[1]
+    cl = torch.channels_last
+    got = depthwise_weight_grad(grad.float().contiguous(memory_format=cl),
+                                x.float().contiguous(memory_format=cl), k, k // 2)
+    assert got.shape == want.shape and rel(got.double(), want) < 1e-6
+    assert rel(depthwise_weight_grad(grad, x, k, k // 2), want) < 1e-12
