@@ -52,12 +52,12 @@ class _PowerTerms:
 
     def backward(self, dpos, dneg):
         """From the gradients of ``x+``, ``x-`` to those of ``x`` (and of the bias: the same
-        tensor, summed by the caller), of ``inv_scale`` and of ``p`` (summed over the tokens and
-        the batch, not yet to the parameters' shapes)."""
+        tensor, summed by the caller), of ``inv_scale`` and of ``p`` (the latter two still to be
+        summed to the parameters' shapes; ``p``'s also to be multiplied by ln 2)."""
         g = torch.addcmul(dpos * self.pos, dneg, self.neg)  # G = da * a (x+, x- hold a)
-        nonzero = self.y != 0
+        nonzero = self.y != 0  # G = 0 elsewhere; 0 / 0 and 0 * log2(0) are set to 0
         dy = torch.where(nonzero, g * self.p / self.y, 0.)
-        dp = torch.where(nonzero, g.mul_(self.log2), 0.).mul_(_LN2)
+        dp = torch.where(nonzero, g.mul_(self.log2), 0.)  # times ln 2 once summed
         dx = dy * self.inv_scale if self.inv_scale is not None else dy
         d_inv = None
         if self.inv_scale is not None:
@@ -122,7 +122,7 @@ class PolarityAttention(torch.autograd.Function):
         del kp, kn
         dk, d_inv_k, dp_k = k_terms.backward(dkp, dkn)
         del k_terms
-        grads_p = (dp_q.sum_to_size(p.shape) + dp_k.sum_to_size(p.shape)
+        grads_p = ((dp_q.sum_to_size(p.shape) + dp_k.sum_to_size(p.shape)).mul_(_LN2)
                    if ctx.needs_input_grad[3] else None)
         d_inv = None
         if inv_scale is not None and ctx.needs_input_grad[5]:
