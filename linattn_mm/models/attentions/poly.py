@@ -1,8 +1,8 @@
 """Poly-NL and Poly-SA: third-order polynomial non-local block and self-attention (Babiloni et al.,
 "Linear Complexity Self-Attention with 3rd Order Polynomials", TPAMI; ICCV'21 arXiv 2107.02859).
 
-No official code exists. Every choice the paper leaves open is an argument; the defaults are the
-recommendations of the developer spec (``spec/poly_nl_sa.md`` §5).
+No official code exists. Every choice the paper leaves open is an argument; the defaults and the
+reason for each are listed in ``docs/model_zoo/poly.md``.
 
 **Poly-NL** (§4.1, Eq. 9-10), :class:`PolyNL2d`, on an NCHW map X (N = H·W positions)::
 
@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from linattn_mm.ops.dispatch import check_core
 from linattn_mm.ops.lean_layers import recomputed
+from linattn_mm.ops.poly import poly_pool, poly_spread, region_onehot
 from linattn_mm.registry import ATTENTIONS, register_backbone
 from ..utils.grid import nlc_to_nchw, resize_grid_embed
 from .base import BaseTokenMixer, merge_heads, run_in_fp32, split_heads
@@ -44,46 +45,6 @@ from .softmax import shift_region_labels, window_partition, window_reverse
 
 __all__ = ['PolyNL2d', 'PolySelfAttention', 'poly_pool', 'poly_spread', 'region_onehot',
            'shift_region_ids', 'polynl_cost']
-
-
-# ------------------------------------------------------------------------------------------------
-# kernels (pure torch; the modules below only arrange tensors around them)
-# ------------------------------------------------------------------------------------------------
-def poly_pool(kv, weight, regions=None):
-    """Weighted pooling of ``kv`` over positions: ``s[.., r, :] = sum_n weight[h, n] kv[.., h, n, :]``
-    over the positions ``n`` of region ``r``.
-
-    Args:
-        kv (Tensor): (B, h, n, d) the products K ⊙ V.
-        weight (Tensor): (h, n) pooling weights p2.
-        regions (Tensor, optional): (B, n, R) one-hot region of every position (all zeros: not
-            pooled), see :func:`region_onehot`. With ``None`` every position is in one region.
-
-    Returns:
-        Tensor: (B, h, R, d).
-    """
-    if regions is None:
-        return torch.einsum('hn,bhnd->bhd', weight, kv).unsqueeze(2)
-    return torch.einsum('bnr,hn,bhnd->bhrd', regions, weight, kv)
-
-
-def poly_spread(q, weight, pooled, regions=None):
-    """``y[.., h, n, :] = q[.., h, n, :] * weight[h, n] * pooled[.., h, region(n), :]``; positions in
-    no region get 0.
-
-    Args:
-        q (Tensor): (B, h, n, d). weight (Tensor): (h, n) p1. pooled (Tensor): (B, h, R, d).
-        regions (Tensor, optional): (B, n, R) as in :func:`poly_pool`.
-    """
-    if regions is None:
-        return q * weight[None, :, :, None] * pooled
-    return q * weight[None, :, :, None] * torch.einsum('bnr,bhrd->bhnd', regions, pooled)
-
-
-def region_onehot(region, num_regions, dtype):
-    """(..., n) integer regions (-1: none) -> (..., n, R) one-hot rows (all zeros for -1)."""
-    onehot = F.one_hot(region.clamp(min=0), num_regions).to(dtype)
-    return onehot * (region >= 0).unsqueeze(-1).to(dtype)
 
 
 def shift_region_ids(H, W, window_size, shift, device):
