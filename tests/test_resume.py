@@ -63,7 +63,7 @@ def test_resume_after_kill_matches_uninterrupted(demo_data, tmp_path):
 
 
 def test_find_resume_checkpoint_skips_truncated_files(tmp_path):
-    from linattn_mm.runner import find_resume_checkpoint, is_complete_checkpoint
+    from linattn_mm.cli import find_resume_checkpoint, is_complete_checkpoint
     assert find_resume_checkpoint(str(tmp_path)) is None
     for n in (1, 2, 3):
         torch.save({'state_dict': {'w': torch.full((64, 64), float(n))}}, tmp_path / f'epoch_{n}.pth')

@@ -11,8 +11,8 @@ import json
 import numbers
 
 import linattn_mm  # noqa: F401
-from linattn_mm.runner import (add_common_args, apply_launcher_defaults, build_runner,
-                               close_process_group, load_config, parse_with_common)
+from linattn_mm.cli import (add_common_args, apply_launcher_defaults, build_runner,
+                            close_process_group, load_config, parse_with_common)
 
 
 def parse_args(argv=None):

@@ -7,9 +7,9 @@ Same flags as the stock OpenMMLab ``tools/train.py``:
 import argparse
 
 import linattn_mm  # noqa: F401  (registers the backbones, allow-lists safe checkpoint objects)
-from linattn_mm.runner import (add_common_args, apply_launcher_defaults, build_runner,
-                               close_process_group, find_resume_checkpoint, load_config,
-                               parse_with_common)
+from linattn_mm.cli import (add_common_args, apply_launcher_defaults, build_runner,
+                            close_process_group, find_resume_checkpoint, load_config,
+                            parse_with_common)
 
 
 def parse_args(argv=None):

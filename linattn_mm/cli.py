@@ -1,4 +1,6 @@
-"""Helpers shared by ``tools/train.py`` and ``tools/test.py``."""
+"""Command-line set-up shared by ``tools/train.py`` and ``tools/test.py``: their common flags, the
+config with ``--cfg-options`` and the work dir applied, launcher defaults for runs without GPUs,
+building mmengine's runner, and finding the checkpoint to resume from."""
 import os
 import os.path as osp
 
