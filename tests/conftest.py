@@ -35,7 +35,7 @@ def demo_data():
     Generated once; a file lock keeps parallel test workers from writing it at the same time."""
     from filelock import FileLock
 
-    from linattn_mm.demo_data import make_demo_data
+    from linattn_mm.demo import make_demo_data
     root = osp.join(REPO, 'data', 'demo')
     os.makedirs(root, exist_ok=True)
     with FileLock(osp.join(root, '.generate.lock')):

@@ -398,7 +398,7 @@ def main(argv=None):
         with open(args.result, 'w') as f:
             json.dump(res, f)
         return res
-    from linattn_mm.demo_data import make_demo_data
+    from linattn_mm.demo import make_demo_data
     make_demo_data(root=osp.join(REPO, 'data', 'demo'), tasks=[
         {'det': 'coco', 'seg': 'ade'}[t] for t in args.task])
     jobs = []
