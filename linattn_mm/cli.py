@@ -1,6 +1,6 @@
 """Command-line set-up shared by ``tools/train.py`` and ``tools/test.py``: their common flags, the
-config with ``--cfg-options`` and the work dir applied, launcher defaults for runs without GPUs,
-building mmengine's runner, and finding the checkpoint to resume from."""
+config with ``--demo`` / ``--cfg-options`` / the work dir applied, launcher defaults for runs
+without GPUs, building mmengine's runner, and finding the checkpoint to resume from."""
 import os
 import os.path as osp
 
@@ -8,9 +8,14 @@ import torch
 
 
 def add_common_args(parser):
-    """The flags every tool shares: ``--work-dir --cfg-options --launcher --local-rank``."""
+    """The flags every tool shares: ``--work-dir --demo --cfg-options --launcher --local-rank``."""
     from mmengine.config import DictAction
     parser.add_argument('--work-dir', help='directory for logs and checkpoints')
+    parser.add_argument('--demo', action='store_true',
+                        help='the demo overlay: the generated demo data under data/demo '
+                        '(tools/make_demo_data.py), a tiny schedule, no pretrained backbone file, '
+                        'the CPU settings (linattn_mm.demo.apply_demo); --cfg-options apply '
+                        'after it')
     parser.add_argument('--cfg-options', nargs='+', action=DictAction,
                         help='override config settings, e.g. train_cfg.max_epochs=1')
     parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
@@ -27,17 +32,23 @@ def parse_with_common(parser, argv=None):
 
 
 def load_config(args):
-    """The config of ``args.config`` with ``--cfg-options``, the launcher and the work dir (CLI,
-    then the config's ``work_dir``, then ``work_dirs/<config name>``) applied."""
+    """The config of ``args.config`` with the demo overlay (``--demo``), ``--cfg-options``, the
+    launcher and the work dir (CLI, then the config's ``work_dir``, then ``work_dirs/<config
+    name>``, with ``_demo`` appended under ``--demo``) applied."""
     from mmengine.config import Config
     cfg = Config.fromfile(args.config)
+    demo = getattr(args, 'demo', False)
+    if demo:
+        from linattn_mm.demo import apply_demo
+        apply_demo(cfg)
     cfg.launcher = args.launcher
     if args.cfg_options is not None:
         cfg.merge_from_dict(args.cfg_options)
     if args.work_dir is not None:
         cfg.work_dir = args.work_dir
     elif cfg.get('work_dir', None) is None:
-        cfg.work_dir = osp.join('./work_dirs', osp.splitext(osp.basename(args.config))[0])
+        name = osp.splitext(osp.basename(args.config))[0] + ('_demo' if demo else '')
+        cfg.work_dir = osp.join('./work_dirs', name)
     return cfg
 
 

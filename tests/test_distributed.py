@@ -9,9 +9,12 @@ import sys
 import torch
 from conftest import CONFIGS, REPO, run_tool
 
+from linattn_mm.demo import write_demo_config
+
 CONFIG = '''
 _base_ = ['{base}']
-train_dataloader = dict(dataset=dict(indices=16, pipeline={{{{_base_.demo_test_pipeline}}}}))
+train_dataloader = dict(dataset=dict(
+    indices=16, pipeline={{{{_base_.test_dataloader.dataset.pipeline}}}}))
 model = dict(backbone=dict(drop_path_rate=0.0), train_cfg=None)
 train_cfg = dict(max_epochs=1, val_interval=100)
 randomness = dict(seed=0, deterministic=True)
@@ -24,7 +27,10 @@ def _weights(path):
 
 def test_two_process_training_matches_one_process(demo_data, tmp_path):
     cfg = tmp_path / 'dist_cfg.py'
-    cfg.write_text(CONFIG.format(base=osp.join(CONFIGS, 'pvtv2', 'pvtv2-b0_in1k_demo.py')))
+    # the classifier on the demo data: the one-file config of the demo overlay (the mim route)
+    base = write_demo_config(osp.join(CONFIGS, 'pvtv2', 'pvtv2-b0_in1k.py'),
+                             str(tmp_path / 'pvtv2-b0_in1k_demo.py'))
+    cfg.write_text(CONFIG.format(base=base))
     one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
     run_tool(['tools/train.py', str(cfg), '--work-dir', one,
               '--cfg-options', 'train_dataloader.batch_size=4'])

@@ -11,12 +11,15 @@ import time
 import torch
 from conftest import CONFIGS, REPO, run_tool
 
+from linattn_mm.demo import write_demo_config
+
 # A classifier on the demo ImageNet subset with no random augmentation, stochastic depth or
 # mixup, so that the only state a resume must restore is the model, optimizer, schedulers, epoch
 # counter and data order.
 CONFIG = '''
 _base_ = ['{base}']
-train_dataloader = dict(batch_size=4, dataset=dict(indices=16, pipeline={{{{_base_.demo_test_pipeline}}}}))
+train_dataloader = dict(batch_size=4, dataset=dict(
+    indices=16, pipeline={{{{_base_.test_dataloader.dataset.pipeline}}}}))
 val_dataloader = dict(dataset=dict(indices=4))
 test_dataloader = dict(dataset=dict(indices=4))
 model = dict(backbone=dict(drop_path_rate=0.0), train_cfg=None)
@@ -33,7 +36,10 @@ def _weights(path):
 
 def test_resume_after_kill_matches_uninterrupted(demo_data, tmp_path):
     cfg = tmp_path / 'resume_cfg.py'
-    cfg.write_text(CONFIG.format(base=osp.join(CONFIGS, 'pvtv2', 'pvtv2-b0_in1k_demo.py')))
+    # the classifier on the demo data: the one-file config of the demo overlay (the mim route)
+    base = write_demo_config(osp.join(CONFIGS, 'pvtv2', 'pvtv2-b0_in1k.py'),
+                             str(tmp_path / 'pvtv2-b0_in1k_demo.py'))
+    cfg.write_text(CONFIG.format(base=base))
     full, cut = str(tmp_path / 'full'), str(tmp_path / 'cut')
     run_tool(['tools/train.py', str(cfg), '--work-dir', full])
 

@@ -2,6 +2,7 @@
 
     python tools/test.py CONFIG CHECKPOINT [--work-dir DIR] [--out FILE] [--show-dir DIR]
                          [--cfg-options k=v ...] [--launcher none|pytorch|slurm|mpi] [--tta]
+                         [--demo]
 
 The metrics are logged by the evaluator and printed as one JSON line starting with
 ``linattn_mm metrics:``.

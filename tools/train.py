@@ -3,6 +3,8 @@
 Same flags as the stock OpenMMLab ``tools/train.py``:
     python tools/train.py CONFIG [--work-dir DIR] [--amp] [--auto-scale-lr] [--resume [CKPT]]
                                  [--cfg-options k=v ...] [--launcher none|pytorch|slurm|mpi]
+
+``--demo`` runs CONFIG on the generated demo data with the demo schedule (``linattn_mm.demo``).
 """
 import argparse
 
