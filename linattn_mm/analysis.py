@@ -29,7 +29,10 @@ def find_mixers(model):
 @torch.no_grad()
 def capture_mixer_inputs(model, *inputs, **kwargs):
     """Run ``model(*inputs, **kwargs)`` once and return ``{name: (x, hw_shape, extra_kwargs)}`` for
-    every token mixer that was called (the first call of each)."""
+    every token mixer that was called (the first call of each). Converted modules
+    (:func:`linattn_mm.deploy.convert`) run their plain forms meanwhile, so every mixer's hook
+    runs."""
+    from linattn_mm.deploy import plain_forms
     records = {}
     handles = []
     for name, mod in find_mixers(model):
@@ -40,7 +43,8 @@ def capture_mixer_inputs(model, *inputs, **kwargs):
                 records[name] = (x.detach(), hw, extra)
         handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
     try:
-        model(*inputs, **kwargs)
+        with plain_forms(model):
+            model(*inputs, **kwargs)
     finally:
         for h in handles:
             h.remove()

@@ -98,8 +98,9 @@ def build_model(name, pretrained_backbone=True, **kwargs):
         return registry.build(model_cfg)
 
 
-def get_model(name, pretrained=None, device=None, allow_unsafe_pickle=None, **kwargs):
-    """Build the model of a zoo config (or config file).
+def get_model(name, pretrained=None, device=None, allow_unsafe_pickle=None, convert=True,
+              **kwargs):
+    """Build the model of a zoo config (or config file), in eval mode, for inference.
 
     Args:
         name (str): model name from :func:`list_models`, or a path to a config file.
@@ -109,6 +110,12 @@ def get_model(name, pretrained=None, device=None, allow_unsafe_pickle=None, **kw
             report (missing / unexpected / resized keys) is kept as ``model.load_report``.
         device (str, optional): move the model there.
         allow_unsafe_pickle (bool, optional): opt in to full pickle loading of trusted files.
+        convert (bool): an inference model: the blocks and mixers get their inference forms for
+            the model's device (:func:`linattn_mm.deploy.convert`; same outputs, faster) and the
+            parameters are frozen (``requires_grad=False``), so calling the model needs no
+            ``torch.no_grad()``. False keeps the plain forms and trainable parameters, e.g. to
+            train or fine-tune the model, or to register forward hooks inside blocks. Defaults to
+            True.
         **kwargs: merged into the config's ``model`` dict, e.g. ``backbone=dict(drop_path_rate=0)``.
     """
     from linattn_mm.checkpoint import extract_state_dict, load_pretrained, safe_load
@@ -129,6 +136,9 @@ def get_model(name, pretrained=None, device=None, allow_unsafe_pickle=None, **kw
     if device is not None:
         model.to(device)
     model.eval()
+    if convert:
+        from linattn_mm.deploy import convert as convert_model
+        convert_model(model.requires_grad_(False))
     return model
 
 

@@ -62,37 +62,34 @@ class MacCount:
         return f'MacCount({self.gmacs:.4f} GMACs)'
 
 
-#: module switches of the plugin's fast forms, each turned off (False) while counting; ``fused`` only
-#: on the attention mixers (those with ``use_fast_path``)
-_FAST_FORM_FLAGS = ('fused', 'fused_ffn', 'grouped', 'patchify')
-_CLASS_DEFAULT = object()
+#: the attributes that name a module's kernel (``'fast'`` / ``'reference'`` / ``'triton'``)
+CORE_ATTRIBUTES = ('core', 'ffn_core')
 
 
 @contextlib.contextmanager
 def reference_cores(fn):
-    """Run ``fn`` (a module) in its plain forms and restore the settings afterwards: the attention
-    mixers with their reference cores (``fused=False``), the transformer blocks with the plain FFN
-    (``fused_ffn=False``), the window attention ungrouped (``grouped=False``) and the patch
-    embeddings as strided convs (``patchify=False``). The fast forms reorganise the same model
-    (e.g. NaLa's RoPE folded into (4d, d) matrices makes its two small GEMMs twice as wide while
-    removing element-wise passes; the fused FFN, the grouped windows and the GEMM patch embedding
-    bypass the ``fc1`` / ``qkv`` / ``proj`` modules the per-module counts are named after), so the
-    count is that of the model in its official form, whatever the kernel."""
-    mods = [(m, attr) for m in fn.modules() for attr in _FAST_FORM_FLAGS
-            if hasattr(m, attr) and (attr != 'fused' or hasattr(m, 'use_fast_path'))] \
-        if isinstance(fn, torch.nn.Module) else []
-    # a flag that is a class default (not set on the instance) is restored by deleting it
-    saved = [m.__dict__.get(attr, _CLASS_DEFAULT) for m, attr in mods]
-    try:
-        for m, attr in mods:
-            setattr(m, attr, False)
+    """Run ``fn`` (a module) in its plain forms: the attention mixers and FFNs with their reference
+    cores (every attribute of :data:`CORE_ATTRIBUTES` set to ``'reference'``) and converted modules
+    (:func:`linattn_mm.deploy.convert`) with their plain ``forward``; both are restored
+    afterwards. The fast cores and the inference forms reorganise the same model (e.g. NaLa's RoPE
+    folded into (4d, d) matrices makes its two small GEMMs twice as wide while removing
+    element-wise passes; the fused FFN and the GEMM patch embedding bypass the ``fc1`` / ``proj``
+    modules the per-module counts are named after), so the count is that of the model in its
+    official form, whatever the kernel."""
+    from linattn_mm.deploy import plain_forms
+    if not isinstance(fn, torch.nn.Module):
         yield
-    finally:
-        for (m, attr), value in zip(mods, saved):
-            if value is _CLASS_DEFAULT:
-                delattr(m, attr)
-            else:
-                setattr(m, attr, value)
+        return
+    with plain_forms(fn):
+        cores = [(m, attr, getattr(m, attr)) for m in fn.modules() for attr in CORE_ATTRIBUTES
+                 if isinstance(getattr(m, attr, None), str)]
+        try:
+            for m, attr, _ in cores:
+                setattr(m, attr, 'reference')
+            yield
+        finally:
+            for m, attr, core in cores:
+                setattr(m, attr, core)
 
 
 def count_macs(fn, *args, **kwargs):

@@ -4,12 +4,14 @@
 package's own model registry (a child of mmengine's root ``MODELS``), where every backbone is
 registered under a unique name. :func:`register_downstream` additionally registers the same classes in
 the ``MODELS`` registries of mmpretrain, mmdet and mmseg, so configs of those libraries can use plain
-``type='LinAttnSwin'`` names. Model code only imports this module, never mmdet/mmseg/mmpretrain.
+``type='LinAttnSwin'`` names. ``HOOKS`` holds the package's runner hooks. Model code only imports
+this module, never mmdet/mmseg/mmpretrain.
 """
 import importlib
 import importlib.util
 import warnings
 
+from mmengine.registry import HOOKS as MMENGINE_HOOKS
 from mmengine.registry import MODELS as MMENGINE_MODELS
 from mmengine.registry import Registry
 
@@ -17,6 +19,9 @@ MODELS = Registry('model', parent=MMENGINE_MODELS, scope='linattn_mm',
                   locations=['linattn_mm.models'])
 ATTENTIONS = Registry('linattn attention', scope='linattn_mm',
                       locations=['linattn_mm.models.attentions'])
+#: runner hooks of the package (``type='linattn_mm.SafeGlobalsHook'`` in a config)
+HOOKS = Registry('hook', parent=MMENGINE_HOOKS, scope='linattn_mm',
+                 locations=['linattn_mm.checkpoint.hook'])
 
 #: downstream library -> module holding its model registry
 DOWNSTREAM_REGISTRIES = {

@@ -85,28 +85,6 @@ def pytest_runtest_teardown(item):
     return (yield)
 
 
-def nala_reference_core(q, k, v, lam=3., eps=1e-6, rope=None):
-    """NaLa's official core written from the formulas (the reference of the NaLa kernel tests):
-    phi_q = [relu(d(q))^p, relu(-d(q))^p] with d(q) = q / ||q|| and p = lam (0.5 + tanh ||q||),
-    phi_k = [relu(k^lam), relu(-k^lam)] (sign of k kept), z from the unrotated maps, the 2-D RoPE
-    ``rope = (sin, cos)`` on the numerator maps, ``n^-1/2`` on K and V."""
-    import torch
-    import torch.nn.functional as F
-
-    from linattn_mm.models.attentions.nala import apply_rope
-    qn = q.norm(dim=-1, keepdim=True)
-    dq = q / qn.clamp_min(1e-12)
-    p = lam * (0.5 + torch.tanh(qn))
-    kl = k.abs() ** lam * k.sign()
-    phi_q = torch.cat([F.relu(dq) ** p, F.relu(-dq) ** p], -1)
-    phi_k = torch.cat([F.relu(kl), F.relu(-kl)], -1)
-    z = 1 / (phi_q @ phi_k.mean(-2, keepdim=True).transpose(-2, -1) + eps)
-    if rope is not None:
-        phi_q, phi_k = apply_rope(phi_q, *rope), apply_rope(phi_k, *rope)
-    n = k.shape[-2]
-    return phi_q @ ((phi_k.transpose(-2, -1) * n**-0.5) @ (v * n**-0.5)) * z
-
-
 def record_calls(monkeypatch, owner, name):
     """Replace ``owner.name`` (a function, or a method when ``owner`` is a class) by a wrapper that
     still runs it and records the shape of its first tensor argument; returns the list of
@@ -289,3 +267,21 @@ def hidden_formula(x, ln_w, ln_b, eps, w1, b1, approximate='none'):
     if approximate == 'none':
         return 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))
     return 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))
+
+
+def assert_inference_only(module, call, call_float32=None):
+    """A converted module (:func:`linattn_mm.deploy.convert`) refuses every call that is not an
+    inference call, with an error naming the problem: a gradient needed (``call()`` with grad
+    enabled), training mode, and autocast (``call_float32()`` under CPU bfloat16 autocast; the
+    module is left in float32 then). ``module`` is in eval mode before and after."""
+    import torch
+    with pytest.raises(RuntimeError, match='without gradients'):
+        call()
+    module.train()
+    with torch.no_grad(), pytest.raises(RuntimeError, match='training mode'):
+        call()
+    module.eval()
+    if call_float32 is not None:
+        with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16), \
+                pytest.raises(RuntimeError, match='autocast'):
+            call_float32()

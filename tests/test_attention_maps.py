@@ -106,7 +106,7 @@ def test_window_weights_with_padding_drop_padded_keys():
 def test_pola_stream_weights_reproduce_the_core(cfg, extra):
     if extra and cfg.get('la_sr_ratio'):
         pytest.skip('class tokens with la_sr_ratio are covered by the PVT tests')
-    m = _mixer(dict(cfg, fused=False), num_extra_tokens=extra, pretrain_hw=(4, 4))
+    m = _mixer(dict(cfg, core='reference'), num_extra_tokens=extra, pretrain_hw=(4, 4))
     hw = (6, 8)
     x = _tokens(hw, extra)
     w = m.attention_weights(x, hw)
@@ -120,7 +120,7 @@ def test_pola_stream_weights_reproduce_the_core(cfg, extra):
     # the core the module computes (its own reference path) is [A_same v_s, A_opp v_o]
     q, k, v, _, kv_hw = m._project(x, hw)
     pe = F.pad(m.pos_enc(kv_hw), (0, 0, extra, 0)) if m.use_pos_enc else None
-    core = split_heads(m._attend(q, k, v, pe), HEADS)
+    core = split_heads(m.attend(q, k, v, pe), HEADS)
     vs, vo = split_heads(v, HEADS).chunk(2, dim=-1)
     torch.testing.assert_close(core, torch.cat([w['same'] @ vs, w['opposite'] @ vo], -1))
 
@@ -134,7 +134,7 @@ def test_nala_weights_reproduce_forward(kernel, use_rope):
     w = m.attention_weights(x, hw)['weights']
     assert w.shape == (2, HEADS, 30, 30)
     q, k, v, g, lepe = m._project(x, hw)
-    torch.testing.assert_close(m._output(m._gate(w @ v, lepe, g)), m(x, hw))
+    torch.testing.assert_close(m.gated_output(w @ v, lepe, g), m(x, hw))
     if not use_rope:  # without the rotation the weights are a non-negative normalised kernel
         assert (w >= 0).all()
         torch.testing.assert_close(w.sum(-1), torch.ones(2, HEADS, 30, dtype=torch.float64),
@@ -148,7 +148,7 @@ def test_nala_softmax_weights_reproduce_forward():
     w = m.attention_weights(x, hw)['weights']
     _rows_sum_to_one(w)
     q, k, v, g, lepe = m._project(x, hw)
-    torch.testing.assert_close(m._output(m._gate(w @ v, lepe, g)), m(x, hw))
+    torch.testing.assert_close(m.gated_output(w @ v, lepe, g), m(x, hw))
 
 
 @pytest.mark.parametrize('row_normalize', [True, False])

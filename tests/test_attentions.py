@@ -5,7 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import record_calls
+from conftest import assert_inference_only, record_calls
+
+from linattn_mm import deploy
 from linattn_mm.models.attentions import (GlobalSoftmaxAttention, SRSoftmaxAttention,
                                           WindowSoftmaxAttention, build_attention,
                                           list_attentions)
@@ -97,26 +99,26 @@ def test_window_attention_matches_direct_swin(block_idx, hw):
 @pytest.mark.parametrize('group_tokens', [40, 10_000])  # 2 windows per group; all in one group
 def test_window_attention_grouped_inference_matches_direct_swin(block_idx, hw, group_tokens,
                                                                 monkeypatch):
-    """CPU inference runs the windows group by group (groups span two images here)."""
-    import linattn_mm.models.attentions.softmax as softmax_mod
-    monkeypatch.setattr(softmax_mod, 'WINDOW_GROUP_TOKENS', group_tokens)
-    calls = record_calls(monkeypatch, WindowSoftmaxAttention, '_grouped')
+    """The CPU inference form runs the windows group by group (groups span two images here)."""
+    import linattn_mm.deploy.mixers as mixers_mod
+    monkeypatch.setattr(mixers_mod, 'WINDOW_GROUP_TOKENS', group_tokens)
+    calls = record_calls(monkeypatch, mixers_mod.WindowSoftmaxAttentionCPU, 'forward')
     torch.manual_seed(1)
     m = WindowSoftmaxAttention(8, 2, window_size=4, block_idx=block_idx).double().eval()
     torch.nn.init.normal_(m.relative_position_bias_table, std=1.0)
     H, W = hw
     x = torch.randn(3, H * W, 8, dtype=torch.float64)
+    deploy.convert(m)
+    assert type(m) is mixers_mod.WindowSoftmaxAttentionCPU
     with torch.no_grad():
         got = m(x, hw)
     assert calls == [(3, H * W, 8)]
     torch.testing.assert_close(got, swin_reference(m, x, H, W), rtol=1e-9, atol=1e-9)
-    m(x, hw)  # gradients needed: the plain form
-    m.train()
-    with torch.no_grad():
-        m(x, hw)  # training mode
-    with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16):
-        m.float()(x.float(), hw)
-    assert calls == [(3, H * W, 8)]
+    assert_inference_only(m, lambda: m(x, hw), lambda: m.float()(x.float(), hw))
+    refused = len(calls)  # the refused calls entered the inference form's forward
+    deploy.revert(m.double())
+    m(x, hw)  # the plain form again: gradients, training mode
+    assert len(calls) == refused
 
 
 def test_window_attention_shift_option():

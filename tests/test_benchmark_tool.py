@@ -93,19 +93,24 @@ def test_core_mode_nala_torch_equals_reference():
 
 
 def test_set_impl_switches_the_ffn_with_the_mixers():
-    """official / reference run the plain FFN and the strided-conv patch embedding of the official
-    code, the plugin's implementations the automatic forms, and ``--ffn plain`` keeps the FFN plain
-    for all."""
+    """official / reference run the unconverted model (plain FFN and the strided-conv patch
+    embedding of the official code), ``torch`` the unconverted model with the fast cores, ``fast``
+    the converted model (fused FFN, GEMM patch embedding, chunked mixers), and ``--ffn plain``
+    keeps the blocks plain."""
+    from linattn_mm.deploy.blocks import PatchEmbedCPU, TransformerBlockCPU
     from linattn_mm.models.utils.layers import PatchEmbed, TransformerBlock
     net = TOOL['build_backbone']('pola-pvt-t')
     blocks = [m for m in net.modules() if isinstance(m, TransformerBlock)]
     embeds = [m for m in net.modules() if isinstance(m, PatchEmbed)]
     mixers = TOOL['pola_modules'](net)
     assert blocks and mixers
-    for impl, ffn, want in [('official', 'auto', False), ('fast', 'auto', None),
-                            ('reference', 'auto', False), ('fast', 'plain', False),
-                            ('torch', 'auto', None)]:
+    for impl, ffn, fused, core in [('official', 'auto', False, 'reference'),
+                                   ('fast', 'auto', True, 'fast'),
+                                   ('reference', 'auto', False, 'reference'),
+                                   ('fast', 'plain', False, 'fast'), ('torch', 'auto', False, 'fast')]:
         TOOL['set_impl'](net, impl, ffn)
-        assert [b.fused_ffn for b in blocks] == [want] * len(blocks), (impl, ffn)
+        want = TransformerBlockCPU if fused else TransformerBlock
+        assert [type(b) for b in blocks] == [want] * len(blocks), (impl, ffn)
         assert all(('forward' in m.__dict__) == (impl == 'official') for m in mixers)
-        assert [m.patchify for m in embeds] == [None if impl in ('fast', 'torch') else False] * 4
+        assert all(m.core == core for m in mixers), (impl, ffn)
+        assert [type(m) for m in embeds] == [PatchEmbedCPU if impl == 'fast' else PatchEmbed] * 4

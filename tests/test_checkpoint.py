@@ -1,6 +1,8 @@
-"""Tests of linattn_mm.checkpoint: safe loading, unwrapping, resizing, reporting, conversion."""
+"""Tests of linattn_mm.checkpoint: safe loading, the scoped allow-list, unwrapping, resizing through
+the owning module's resize_checkpoint_tensor, reporting, conversion."""
 import argparse
 import logging
+import subprocess
 import sys
 import types
 
@@ -11,16 +13,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from linattn_mm import checkpoint as ck
-from linattn_mm.checkpoint import (CheckpointError, LoadReport, UnsafePickleWarning,
-                                   allow_safe_globals, convert_checkpoint, extract_state_dict,
-                                   load_pretrained, register_resizer, resize_tensor, safe_load,
-                                   strip_prefixes)
+from linattn_mm.checkpoint import (CheckpointError, LoadReport, SafeGlobalsHook,
+                                   UnsafePickleWarning, allow_safe_globals, convert_checkpoint,
+                                   extract_state_dict, load_pretrained, resize_grid_tokens,
+                                   resize_pos_embed, resize_relative_position_table, safe_globals,
+                                   safe_load, strip_prefixes)
+from linattn_mm.checkpoint import allowlist
 
 DIM = 8
 
 
 # ----------------------------------------------------------------------------------------------
-# tiny models
+# tiny models: each module resizes its own size-dependent tensor, as the model families do
 # ----------------------------------------------------------------------------------------------
 class TinyAttn(nn.Module):
     def __init__(self, window, heads):
@@ -29,12 +33,22 @@ class TinyAttn(nn.Module):
         idx = torch.arange(window * window)
         self.register_buffer('relative_position_index', idx[:, None] - idx[None, :])
 
+    def resize_checkpoint_tensor(self, name, src):  # as WindowSoftmaxAttention
+        if name != 'relative_position_bias_table':
+            return None
+        return resize_relative_position_table(name, src, self.relative_position_bias_table.shape)
+
 
 class TinyBlock(nn.Module):
     def __init__(self, window, heads, pe_grid):
         super().__init__()
         self.attn = TinyAttn(window, heads)
         self.positional_encoding = nn.Parameter(torch.zeros(1, pe_grid * pe_grid, DIM))
+
+    def resize_checkpoint_tensor(self, name, src):  # as PolaLinearAttention
+        if name != 'positional_encoding':
+            return None
+        return resize_grid_tokens(name, src, self.positional_encoding.shape, max_extra=0)
 
 
 class Tiny(nn.Module):
@@ -43,6 +57,22 @@ class Tiny(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(1, extra + grid * grid, DIM))
         self.layers = nn.ModuleList([TinyBlock(window, heads, pe_grid)])
         self.proj = nn.Linear(DIM, DIM)
+
+    def resize_checkpoint_tensor(self, name, src):  # as the ViT / PVT / Swin backbones
+        if name != 'pos_embed':
+            return None
+        return resize_pos_embed(name, src, self.pos_embed.shape)
+
+
+class AbsPosEmbed4d(nn.Module):
+    """A (1, C, H, W) absolute position embedding (Swin-style layout)."""
+
+    def __init__(self, h, w):
+        super().__init__()
+        self.absolute_pos_embed = nn.Parameter(torch.zeros(1, DIM, h, w))
+
+    def resize_checkpoint_tensor(self, name, src):
+        return resize_pos_embed(name, src, self.absolute_pos_embed.shape)
 
 
 def random_sd(model, seed=0):
@@ -181,9 +211,11 @@ def test_pos_embed_class_token_dropped_and_reported():
 
 def test_pos_embed_4d_and_positional_encoding():
     src = torch.randn(1, DIM, 4, 4)
-    out, _ = resize_tensor('backbone.absolute_pos_embed', src, torch.Size([1, DIM, 6, 5]))
+    model = AbsPosEmbed4d(6, 5)
+    report = load_pretrained(model, {'absolute_pos_embed': src}, logger=QUIET)
     ref = F.interpolate(src, size=(6, 5), mode='bicubic', align_corners=False)
-    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    torch.testing.assert_close(model.absolute_pos_embed.detach(), ref, rtol=0, atol=0)
+    assert report.resized['absolute_pos_embed'] == ((1, DIM, 4, 4), (1, DIM, 6, 5))
 
     sd = random_sd(Tiny(pe_grid=4), 6)
     model = Tiny(pe_grid=3)
@@ -192,8 +224,23 @@ def test_pos_embed_4d_and_positional_encoding():
     torch.testing.assert_close(model.layers[0].positional_encoding.detach(), ref, rtol=0,
                                atol=1e-6)
     assert report.resized['layers.0.positional_encoding'] == ((1, 16, DIM), (1, 9, DIM))
-    with pytest.raises(CheckpointError, match='not a square'):
-        resize_tensor('positional_encoding', torch.randn(1, 17, DIM), torch.Size([1, 9, DIM]))
+    bad = dict(random_sd(Tiny(pe_grid=3), 6), **{'layers.0.positional_encoding':
+                                                   torch.randn(1, 17, DIM)})
+    with pytest.raises(CheckpointError, match='not a square') as info:
+        load_pretrained(Tiny(pe_grid=3), bad, logger=QUIET)
+    assert 'layers.0.positional_encoding' in str(info.value)
+
+
+def test_pola_positional_encoding_resized_by_its_module():
+    from linattn_mm.models.attentions.pola import PolaLinearAttention
+    src = PolaLinearAttention(DIM, 2, pretrain_hw=(4, 4))
+    sd = random_sd(src, 19)
+    model = PolaLinearAttention(DIM, 2, pretrain_hw=(3, 3))
+    report = load_pretrained(model, sd, strict=True, logger=QUIET)
+    ref = grid_interp(sd['positional_encoding'], 4, 3)
+    torch.testing.assert_close(model.positional_encoding.detach(), ref, rtol=0, atol=1e-6)
+    assert report.resized['positional_encoding'] == ((1, 16, DIM), (1, 9, DIM))
+    assert model.resize_checkpoint_tensor('power', sd['power']) is None  # not its business
 
 
 def test_relative_position_bias_table_resize_per_head():
@@ -231,24 +278,53 @@ def test_shape_mismatch_without_resizer():
     assert 'proj.weight' in msg and '(4, 8)' in msg and '(8, 8)' in msg
 
 
-def test_custom_resizer_registration():
-    class WithTable(nn.Module):
-        def __init__(self, n):
-            super().__init__()
-            self.my_custom_table = nn.Parameter(torch.zeros(n))
+class WithTable(nn.Module):
+    """A custom module resizing its own table; records the names it was asked about."""
 
-    @register_resizer(r'my_custom_table$')
-    def repeat_table(key, src, dst_shape):
-        return src.repeat(dst_shape[0] // src.shape[0]), 'repeated'
+    def __init__(self, n, result='repeat'):
+        super().__init__()
+        self.my_custom_table = nn.Parameter(torch.zeros(n))
+        self.result = result
+        self.calls = []
 
-    try:
-        model = WithTable(4)
-        report = load_pretrained(model, {'my_custom_table': torch.tensor([1., 2.])}, logger=QUIET)
-        assert model.my_custom_table.tolist() == [1., 2., 1., 2.]
-        assert report.notes['my_custom_table'] == 'repeated'
-        assert ('my_custom_table$', 'repeat_table') in ck.registered_resizers()
-    finally:
-        ck._RESIZERS[:] = [(rx, fn) for rx, fn in ck._RESIZERS if fn is not repeat_table]
+    def resize_checkpoint_tensor(self, name, src):
+        self.calls.append(name)
+        if self.result == 'decline' or name != 'my_custom_table':
+            return None
+        if self.result == 'wrong_shape':
+            return src, 'unchanged'
+        return src.repeat(self.my_custom_table.shape[0] // src.shape[0]), 'repeated'
+
+
+def test_custom_module_resizes_its_own_tensor():
+    model = WithTable(4)
+    report = load_pretrained(model, {'my_custom_table': torch.tensor([1., 2.])}, logger=QUIET)
+    assert model.my_custom_table.tolist() == [1., 2., 1., 2.]
+    assert report.notes['my_custom_table'] == 'repeated'
+    assert model.calls == ['my_custom_table']
+
+    # a nested module is asked with the name local to it
+    outer = nn.Module()
+    outer.inner = WithTable(6)
+    report = load_pretrained(outer, {'inner.my_custom_table': torch.tensor([1., 2.])},
+                             logger=QUIET)
+    assert outer.inner.my_custom_table.tolist() == [1., 2.] * 3
+    assert report.resized['inner.my_custom_table'] == ((2,), (6,))
+    assert outer.inner.calls == ['my_custom_table']
+
+
+def test_resize_method_declining_or_returning_a_wrong_shape_is_an_error():
+    outer = nn.Module()
+    outer.inner = WithTable(4, result='decline')
+    with pytest.raises(CheckpointError, match="'inner.my_custom_table'.*WithTable") as info:
+        load_pretrained(outer, {'inner.my_custom_table': torch.ones(2)}, logger=QUIET)
+    assert '(2,)' in str(info.value) and '(4,)' in str(info.value)
+    assert 'resize_checkpoint_tensor' in str(info.value)
+    outer.inner = WithTable(4, result='wrong_shape')
+    with pytest.raises(CheckpointError, match=r"WithTable.resize_checkpoint_tensor returned \(2,\) "
+                       r"for 'inner.my_custom_table', expected \(4,\)"):
+        load_pretrained(outer, {'inner.my_custom_table': torch.ones(2)}, logger=QUIET)
+    assert torch.equal(outer.inner.my_custom_table.detach(), torch.zeros(4))  # nothing loaded
 
 
 def test_model_hooks_rename_and_ignore():
@@ -375,6 +451,45 @@ def test_code_running_pickle_is_refused(tmp_path, monkeypatch):
     assert_loaded(model, sd)
 
 
+def test_openmmlab_names_resolve_with_mmengine_tables():
+    from mmengine.runner.checkpoint import get_external_models
+    from linattn_mm.checkpoint import resolve_model_url
+    urls = get_external_models()
+    assert resolve_model_url('open-mmlab://resnet50_v1c') == urls['resnet50_v1c']
+    # deprecated names map to their successors, as in mmengine's own loader
+    assert resolve_model_url('openmmlab://resnet50_caffe') == urls['detectron/resnet50_caffe']
+    assert resolve_model_url('mmcls://resnet50').startswith('https://download.openmmlab.com/')
+    with pytest.raises(CheckpointError, match="unknown open-mmlab model 'nope'"):
+        resolve_model_url('open-mmlab://nope')
+
+
+def test_registered_scheme_goes_through_checkpoint_loader(tmp_path, monkeypatch):
+    """A scheme registered with mmengine's CheckpointLoader (s3://, pavi://, a project's own) is
+    read by its loader (a plain torch.load) under the same policy: harmless objects load, code
+    does not run."""
+    from mmengine.runner.checkpoint import CheckpointLoader
+    monkeypatch.delenv(ck.UNSAFE_PICKLE_ENV, raising=False)
+    monkeypatch.setattr(CheckpointLoader, '_schemes', dict(CheckpointLoader._schemes))
+    seen = []
+
+    @CheckpointLoader.register_scheme(prefixes='linattn-test://')
+    def load_from_test_store(filename, map_location=None):
+        seen.append(filename)
+        return torch.load(tmp_path / filename[len('linattn-test://'):], map_location=map_location)
+
+    runner_checkpoint(tmp_path / 'epoch_1.pth')
+    assert_history_buffer(safe_load('linattn-test://epoch_1.pth'))
+    assert seen == ['linattn-test://epoch_1.pth']
+    marker = tmp_path / 'marker.txt'
+    save({'model': random_sd(Tiny(), 20), 'payload': Evil(str(marker))}, tmp_path / 'evil.pth')
+    with pytest.raises(CheckpointError, match='_write_marker') as info:
+        safe_load('linattn-test://evil.pth')
+    assert 'linattn-test://evil.pth' in str(info.value)
+    with pytest.raises(CheckpointError, match='local files and http'):
+        safe_load('linattn-test://evil.pth', allow_unsafe_pickle=True)
+    assert not marker.exists()
+
+
 @pytest.fixture
 def fake_yacs(monkeypatch):
     """A throwaway ``yacs.config`` module with a CfgNode dict subclass (like the real one)."""
@@ -435,9 +550,20 @@ def test_harmless_objects_load_without_opt_in(tmp_path, monkeypatch, fake_yacs):
     assert torch.equal(out['model']['pos_embed'], sd['pos_embed'])
 
 
-def test_mmengine_runner_checkpoint_resumable_with_plain_torch_load(tmp_path):
-    from mmengine.logging import HistoryBuffer, MessageHub
-    hub = MessageHub.get_instance('linattn_ckpt_test')
+@pytest.fixture
+def restore_allow_list():
+    """torch's allow-list (and the process-wide flag) as before the test."""
+    saved, flag = torch.serialization.get_safe_globals(), allowlist._process_wide
+    yield
+    torch.serialization.clear_safe_globals()
+    torch.serialization.add_safe_globals(saved)
+    allowlist._process_wide = flag
+
+
+def runner_checkpoint(path):
+    """An mmengine runner checkpoint: a message hub with a HistoryBuffer, numpy values."""
+    from mmengine.logging import MessageHub
+    hub = MessageHub.get_instance(f'linattn_ckpt_test_{path}')  # a fresh hub per file
     for i in range(3):
         hub.update_scalar('train/loss', 1.0 / (i + 1))
     hub.update_info('iter', 3)
@@ -445,15 +571,70 @@ def test_mmengine_runner_checkpoint_resumable_with_plain_torch_load(tmp_path):
                      'cfg': "model = dict(type='X')"},
             'state_dict': random_sd(Tiny(), 17), 'message_hub': hub.state_dict(),
             'optimizer': {'state': {}, 'param_groups': [{'lr': 0.1, 'params': [0, 1]}]}}
-    path = save(ckpt, tmp_path / 'epoch_1.pth')
-    allow_safe_globals()
-    allow_safe_globals()  # idempotent
-    loaded = torch.load(path)  # default weights_only=True, as mmengine's --resume calls it
+    return save(ckpt, path)
+
+
+def assert_history_buffer(loaded):
+    from mmengine.logging import HistoryBuffer
     buf = loaded['message_hub']['log_scalars']['train/loss']
     assert isinstance(buf, HistoryBuffer)
     np.testing.assert_allclose(buf.data[0], [1.0, 0.5, 1.0 / 3])
     assert buf.current() == pytest.approx(1.0 / 3)
     assert buf.statistics('min') == pytest.approx(1.0 / 3)
+
+
+def test_mmengine_runner_checkpoint_resumable_with_plain_torch_load(tmp_path, restore_allow_list):
+    path = runner_checkpoint(tmp_path / 'epoch_1.pth')
+    allow_safe_globals()  # the explicit process-wide opt-in
+    allow_safe_globals()  # idempotent
+    loaded = torch.load(path)  # default weights_only=True, as mmengine's --resume calls it
+    assert_history_buffer(loaded)
+    with safe_globals():  # a scope inside the opt-in leaves it in force
+        pass
+    assert_history_buffer(torch.load(path))
+
+
+def test_allow_list_is_scoped(tmp_path, restore_allow_list):
+    path = runner_checkpoint(tmp_path / 'epoch_1.pth')
+    before = set(torch.serialization.get_safe_globals())
+    with pytest.raises(Exception, match='HistoryBuffer'):
+        torch.load(path)  # outside a scope: torch's own policy refuses it
+    with safe_globals():
+        with safe_globals():  # nested scopes
+            assert_history_buffer(torch.load(path))
+        assert_history_buffer(torch.load(path))  # the inner exit keeps the outer scope
+    assert set(torch.serialization.get_safe_globals()) == before
+    with pytest.raises(Exception, match='HistoryBuffer'):
+        torch.load(path)
+    assert_history_buffer(safe_load(path))  # the loaders use the scope themselves
+    assert set(torch.serialization.get_safe_globals()) == before
+
+
+def test_safe_globals_hook_covers_the_runner_loading_only(tmp_path, restore_allow_list):
+    """Runner.train/val/test call before_run, then load_or_resume, then the loop's
+    before_train/val/test: the allow-list is in force in between, and only then."""
+    path = runner_checkpoint(tmp_path / 'epoch_1.pth')
+    before = set(torch.serialization.get_safe_globals())
+    for leave in ('before_train', 'before_val', 'before_test', 'after_run'):
+        hook = SafeGlobalsHook()
+        hook.before_run(None)
+        assert_history_buffer(torch.load(path))
+        getattr(hook, leave)(None)
+        assert set(torch.serialization.get_safe_globals()) == before
+        with pytest.raises(Exception, match='HistoryBuffer'):
+            torch.load(path)
+    from mmdet.registry import HOOKS
+    from mmengine.registry import DefaultScope
+    with DefaultScope.overwrite_default_scope('mmdet'):  # as the configs name it
+        assert isinstance(HOOKS.build(dict(type='linattn_mm.SafeGlobalsHook')), SafeGlobalsHook)
+
+
+def test_importing_the_package_leaves_the_allow_list_alone():
+    code = ('import torch, linattn_mm; from linattn_mm.checkpoint import SAFE_GLOBALS; '
+            'added = set(SAFE_GLOBALS) & set(torch.serialization.get_safe_globals()); '
+            'assert not added, added; print("none added")')
+    res = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and 'none added' in res.stdout, res.stderr[-3000:]
 
 
 class SneakyGetattr:
@@ -464,7 +645,7 @@ class SneakyGetattr:
         return getattr, (np.ndarray, 'tofile')
 
 
-def test_restricted_getattr_refuses_other_attributes(tmp_path):
+def test_restricted_getattr_refuses_other_attributes(tmp_path, restore_allow_list):
     path = save({'model': {'a': torch.ones(1)}, 'x': SneakyGetattr()}, tmp_path / 'g.pth')
     with pytest.raises(CheckpointError, match="getattr.*'ndarray'.*'tofile'.*not allowed"):
         safe_load(path, allow_unsafe_pickle=False)

@@ -1,16 +1,20 @@
-"""NaLaFormer's inference forms: the banded in-place ConvFFN kernel
-(:func:`linattn_mm.ops.ffn.conv_ffn_residual_`) against the formula written out here, its use in
-``NaLaBlock`` (``fused_ffn``), the channels-last maps and the in-place BatchNorm / GELU of the stem
-and the patch merging, all against the plain (training-graph) form."""
+"""NaLaFormer's inference forms (:func:`linattn_mm.deploy.convert`): the banded in-place ConvFFN
+kernel (:func:`linattn_mm.ops.ffn.conv_ffn_residual_`) against the formula written out here, its
+use in the converted ``NaLaBlock``, the channels-last maps and the in-place BatchNorm / GELU of the
+stem and the patch merging, all against the plain (training-graph) form."""
 import math
 
 import pytest
 import torch
-from conftest import hidden_formula, record_calls
+from conftest import assert_inference_only, hidden_formula, record_calls
 
+import linattn_mm.deploy.blocks as deploy_blocks
 import linattn_mm.ops.ffn as ffn_ops
+from linattn_mm import deploy
 from linattn_mm.models.backbones import nalaformer as nf
 from linattn_mm.ops.ffn import conv_ffn_residual_
+
+ATTN = {'nala': dict(type='NormAwareLinearAttention'), 'released': nf.RELEASED_ATTN_CFG}
 
 
 def conv_ffn_formula(x, ln_w, ln_b, eps, w1, b1, dw, db, w2, b2, scale, approximate='none'):
@@ -97,11 +101,11 @@ def test_kernel_rejects_bad_input():
         conv_ffn_residual_(channels_last(1, 4, 5, 5), *p, rows=0)
 
 
-def small_nalaformer(attn_types='nala', seed=0):
+def small_nalaformer(attn='nala', seed=0):
     arch = dict(embed_dims=[16, 32, 32, 64], depths=[1, 2, 1, 1], num_heads=[1, 2, 2, 4],
                 mlp_ratios=[2, 2, 2, 2], layer_scale_init_values=[0.5] * 4)
     torch.manual_seed(seed)
-    net = nf.NaLaFormer(arch=arch, attn_types=attn_types).double().eval()
+    net = nf.NaLaFormer(arch=arch, attn_cfg=ATTN[attn]).double().eval()
     with torch.no_grad():  # layer scales and BatchNorm statistics away from their initial values
         for name, p in net.named_parameters():
             if name.endswith('gamma_1') or name.endswith('gamma_2'):
@@ -115,53 +119,47 @@ def small_nalaformer(attn_types='nala', seed=0):
     return net
 
 
-@pytest.mark.parametrize('band_tokens,attn_types', [
-    (2048, 'nala'), (30, 'nala'), (30, ('nala', 'nala', 'softmax', 'softmax'))])
-def test_nalaformer_inference_equals_plain_form(band_tokens, attn_types, monkeypatch):
+@pytest.mark.parametrize('band_tokens,attn', [(2048, 'nala'), (30, 'nala'), (30, 'released')])
+def test_nalaformer_inference_equals_plain_form(band_tokens, attn, monkeypatch):
     """CPU inference: channels-last maps, the residual sums in place, BatchNorm and GELU in place
     after the stem and merging convs, the banded ConvFFN (one band per map, or bands of one or
     two rows) give the maps of the plain form (autograd on), layer scales and BatchNorm
     statistics included."""
     monkeypatch.setattr(ffn_ops, 'CPU_BAND_TOKENS', band_tokens)
-    calls = record_calls(monkeypatch, nf, 'conv_ffn_residual_')
-    net = small_nalaformer(attn_types)
+    calls = record_calls(monkeypatch, deploy_blocks, 'conv_ffn_residual_')
+    net = small_nalaformer(attn)
     x = torch.randn(1, 3, 70, 90, dtype=torch.float64)
+    plain = net(x)
+    assert calls == []  # not in the plain form
+    deploy.convert(net)
+    assert {type(m).__name__ for m in net.modules() if isinstance(m, deploy.InferenceForm)} >= {
+        'ConvStemCPU', 'ConvPatchMergingCPU', 'NaLaBlockCPU'}
     with torch.no_grad():
         fast = net(x)
     # one call per block, on channels-last maps of the stage sizes (18 x 23 after the stem)
     assert calls == [(1, 16, 18, 23), (1, 32, 9, 12), (1, 32, 9, 12), (1, 32, 5, 6),
                      (1, 64, 3, 3)]
     assert all(o.is_contiguous(memory_format=torch.channels_last) for o in fast)
-    plain = net(x)
-    assert len(calls) == 5  # not in the plain form
     for a, b in zip(fast, plain):
         assert ((a - b.detach()).abs().max() / b.abs().max()).item() < 1e-12
 
 
-def test_block_ffn_plain_where_the_kernel_cannot_run_and_forced_errors(monkeypatch):
-    calls = record_calls(monkeypatch, nf, 'conv_ffn_residual_')
+def test_block_ffn_plain_where_the_kernel_cannot_run_and_errors(monkeypatch):
+    calls = record_calls(monkeypatch, deploy_blocks, 'conv_ffn_residual_')
     net = small_nalaformer()
     blk, rope = net.layers[0].blocks[0], net.layers[0].RoPE((6, 7))
     x = channels_last(1, 16, 6, 7)
     with torch.no_grad():
-        # an NCHW map (the residual sum after the mixer is channels-last in the block itself)
-        assert blk._use_fused_ffn(x.contiguous()) is False
-        blk.fused_ffn = False
         plain = blk(x, rope)
         assert calls == []
-        blk.fused_ffn = None
+        deploy.convert(blk)
         assert ((blk(x, rope) - plain).abs().max() / plain.abs().max()).item() < 1e-12
         assert calls == [(1, 16, 6, 7)]
-        blk.fused_ffn = True
-        with pytest.raises(RuntimeError, match='NaLaBlock: the fused ConvFFN needs a '
-                                               'channels-last map'):
-            blk._use_fused_ffn(x.contiguous())
-        blk.fused_ffn = 'yes'
-        with pytest.raises(RuntimeError, match="fused_ffn must be None, True or False, got 'yes'"):
-            blk(x, rope)
-    blk.fused_ffn = True
-    with pytest.raises(RuntimeError, match='runs in inference only'):
-        blk(x, rope)  # parameters require grad: the training graph
+        # an NCHW map: the in-place sum after the mixer is channels-last in the block itself
+        nchw = blk(x.contiguous(), rope)
+        assert ((nchw - plain).abs().max() / plain.abs().max()).item() < 1e-12
+        assert calls == [(1, 16, 6, 7)] * 2
+    assert_inference_only(blk, lambda: blk(x, rope))  # parameters require grad: refused
 
 
 def test_mixer_output_is_channels_last_for_one_image():
@@ -183,28 +181,29 @@ def test_stem_batchnorm_in_place_equals_module():
     x = channels_last(2, 3, 20, 24)
     x0 = x.clone()
     with torch.no_grad():
-        fast = net.patch_embed(x)
+        fast = deploy.convert(net.patch_embed)(x)
         assert torch.equal(x, x0)
+        assert type(net.patch_embed) is deploy_blocks.ConvStemCPU
         want = net.patch_embed.proj[:1](x)
         for layer in net.patch_embed.proj[1:]:
             want = layer(want)
     assert ((fast - want).abs().max() / want.abs().max()).item() < 1e-12
     bn = torch.nn.BatchNorm2d(3, track_running_stats=False).eval().double()
     y = torch.randn(2, 3, 4, 4, dtype=torch.float64)
-    assert torch.allclose(nf._bn_inplace_(bn, y.clone()), bn(y))  # batch statistics: the module
+    assert torch.allclose(deploy_blocks._bn_inplace_(bn, y.clone()), bn(y))  # batch statistics
 
 
 def test_mac_count_names_the_convffn_modules():
     """While counting, the blocks run the plain ConvFFN (the kernel bypasses fc1 / dwconv /
-    fc2) and the setting is restored."""
+    fc2) and the converted block is converted again afterwards."""
     from linattn_mm.flops import count_macs
     net = small_nalaformer().float()
     blk = net.layers[0].blocks[0]
-    blk.fused_ffn = True
+    deploy.convert(blk)
     macs = count_macs(net, torch.randn(1, 3, 64, 64))
     tokens = 16 * 16  # stage 1 after the stride-4 stem
     assert macs.by_module['layers.0.blocks.0.ffn.fc1'] == tokens * 16 * 32
     assert macs.by_module['layers.0.blocks.0.ffn.dwconv'] == tokens * 32 * 9
     assert macs.by_module['layers.0.blocks.0.ffn.fc2'] == tokens * 32 * 16
-    assert blk.fused_ffn is True
-    assert 'fused_ffn' not in net.layers[1].blocks[0].__dict__
+    assert type(blk) is deploy_blocks.NaLaBlockCPU
+    assert type(net.layers[1].blocks[0]) is nf.NaLaBlock

@@ -9,6 +9,7 @@ import sys
 import torch
 from conftest import CONFIGS, REPO, run_tool
 
+from linattn_mm.checkpoint import safe_globals
 from linattn_mm.demo import write_demo_config
 
 CONFIG = '''
@@ -22,7 +23,8 @@ randomness = dict(seed=0, deterministic=True)
 
 
 def _weights(path):
-    return torch.load(path, map_location='cpu', weights_only=True)['state_dict']
+    with safe_globals():  # runner checkpoints hold mmengine HistoryBuffers
+        return torch.load(path, map_location='cpu', weights_only=True)['state_dict']
 
 
 def test_two_process_training_matches_one_process(demo_data, tmp_path):

@@ -360,7 +360,10 @@ def _dist_env(port):
 
 def _state_dict_keys(ckpt):
     import torch
-    return set(torch.load(ckpt, map_location='cpu', weights_only=True)['state_dict'])
+
+    from linattn_mm.checkpoint import safe_globals
+    with safe_globals():  # runner checkpoints hold mmengine HistoryBuffers
+        return set(torch.load(ckpt, map_location='cpu', weights_only=True)['state_dict'])
 
 
 def _backbone_file(name, path):

@@ -1,13 +1,19 @@
-"""Fast paths against their references: the Pola fast kernel (:mod:`linattn_mm.ops.pola`) against
-the reference core ``polarity_attention``, the module with ``fused=None`` (automatic, fast) against
-``fused=False`` (reference), and whole Pola-PVT-T / Pola-Swin-T backbones, outputs and gradients,
-in float32 (1e-5 relative) and float64 (1e-10 relative)."""
+"""Fast paths against their references: the Pola fast kernel (:mod:`linattn_mm.ops.pola.fast`)
+against the reference core, the module with ``core='fast'`` (the default) against
+``core='reference'``, its inference form (:func:`linattn_mm.deploy.convert`), and whole Pola-PVT-T /
+Pola-Swin-T backbones, outputs and gradients, in float32 (1e-5 relative) and float64 (1e-10
+relative)."""
 import pytest
 import torch
 
-from linattn_mm.models.attentions.pola import PolaLinearAttention, polarity_attention
+from linattn_mm import deploy
+from linattn_mm.models.attentions import build_attention
+from linattn_mm.models.attentions.pola import PolaLinearAttention
 from linattn_mm.models.backbones import LinAttnPVT, LinAttnSwin
-from linattn_mm.ops import polarity_attention_fast, polarity_features
+from linattn_mm.ops.pola import (polarity_attention_fast, polarity_attention_reference,
+                                 polarity_features)
+
+polarity_attention = polarity_attention_reference
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 
@@ -57,6 +63,11 @@ def kernel_inputs(B, h, N, n, d, dtype, seed=0):
     return q, k, v, p, inv_s, bias
 
 
+def temp(inv_s):
+    """The temperature ``s`` whose inverse the kernels multiply by."""
+    return None if inv_s is None else 1 / inv_s
+
+
 def reference_core(q, k, v, p, inv_s=None, bias=None):
     if bias is not None:
         k = k + bias
@@ -77,11 +88,11 @@ def test_kernel_matches_reference(dtype, B, h, N, n, d, folded):
     args = (inv_s, bias) if folded else (None, None)
     want = reference_core(q, k, v, p, *args)
     with torch.no_grad():  # inference path (in-place ops, exp/log power)
-        got = polarity_attention_fast(q, k, v, p, inv_scale=args[0], k_bias=args[1])
+        got = polarity_attention_fast(q, k, v, p, temperature=temp(args[0]), k_bias=args[1])
     assert_rel(got, want, dtype)
     # the autograd path gives the same numbers
     qg = q.clone().requires_grad_()
-    got_g = polarity_attention_fast(qg, k, v, p, inv_scale=args[0], k_bias=args[1])
+    got_g = polarity_attention_fast(qg, k, v, p, temperature=temp(args[0]), k_bias=args[1])
     assert_rel(got_g.detach(), want, dtype)
 
 
@@ -108,14 +119,14 @@ def test_kernel_gradients_match_reference():
     w = torch.randn(2, 3, 19, 6, dtype=torch.float64)
     (reference_core(*leaves) * w).sum().backward()
     qq, kk, vv, pp, ss, bb = leaves2
-    (polarity_attention_fast(qq, kk, vv, pp, inv_scale=ss, k_bias=bb) * w).sum().backward()
+    (polarity_attention_fast(qq, kk, vv, pp, temperature=1 / ss, k_bias=bb) * w).sum().backward()
     for a, b in zip(leaves, leaves2):
         assert torch.isfinite(b.grad).all()
         assert_rel(b.grad, a.grad, torch.float64)
 
 
 # ------------------------------------------------------------------------------------------------
-# the module: automatic (fast) against fused=False (reference)
+# the module: core='fast' (the default) and its inference form against core='reference' 
 # ------------------------------------------------------------------------------------------------
 MODULE_CASES = [
     dict(qkv_layout='qg_kv', hw=(5, 7)),
@@ -135,17 +146,21 @@ def module_pair(case, dims=24, heads=3, dtype=torch.float32, seed=0):
     torch.manual_seed(seed)
     kw = dict(pretrain_hw=(4, 4)) if case.get('use_pos_enc', True) else {}
     fast = PolaLinearAttention(dims, heads, **kw, **case)
-    ref = PolaLinearAttention(dims, heads, fused=False, **kw, **case)
+    ref = PolaLinearAttention(dims, heads, core='reference', **kw, **case)
     randomise_(fast, seed)
     ref.load_state_dict(fast.state_dict())
     return fast.to(dtype), ref.to(dtype), hw
 
 
-def test_default_is_automatic_fast_path():
+def test_default_core_is_fast():
     m = PolaLinearAttention(16, 2, pretrain_hw=(2, 2))
-    assert m.fused is None and m.use_fast_path
-    assert PolaLinearAttention(16, 2, pretrain_hw=(2, 2), fused=True).use_fast_path
-    assert not PolaLinearAttention(16, 2, pretrain_hw=(2, 2), fused=False).use_fast_path
+    assert m.core == 'fast'
+    assert PolaLinearAttention(16, 2, pretrain_hw=(2, 2), core='reference').core == 'reference'
+    with pytest.raises(ValueError, match="core must be one of .*'reference', 'fast', 'triton'"):
+        PolaLinearAttention(16, 2, pretrain_hw=(2, 2), core='auto')
+    with pytest.raises(TypeError, match="'fused' is now core"):
+        build_attention(dict(type='PolaLinearAttention', fused=True), embed_dims=16, num_heads=2,
+                        pretrain_hw=(2, 2))
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
@@ -157,6 +172,8 @@ def test_module_fast_equals_reference(case, dtype):
     fast.eval(), ref.eval()
     with torch.no_grad():
         want = ref(x, hw)
+        assert_rel(fast(x, hw), want, dtype)
+        deploy.convert(fast)  # the inference form, where the case has one
         assert_rel(fast(x, hw), want, dtype)
         assert_rel(fast(x, hw), want, dtype)  # second call: cached coefficients / PE
 
@@ -183,15 +200,18 @@ def test_module_gradients_equal(case):
 def test_coefficient_cache_follows_parameter_updates():
     fast, ref, hw = module_pair(MODULE_CASES[4])
     fast.eval(), ref.eval()
+    deploy.convert(fast)
+    assert type(fast) is deploy.mixers.PolaLinearAttentionCPU
     x = torch.randn(1, hw[0] * hw[1], 24)
     with torch.no_grad():
         fast(x, hw)
+        assert 'coefficients' in fast._inference_cache
         for m in (fast, ref):
             m.power.add_(0.5)
             m.scale.mul_(-1)
         assert_rel(fast(x, hw), ref(x, hw), torch.float32)
-    fast.train()
-    assert fast._coef_cache is None
+    deploy.revert(fast)
+    assert '_inference_cache' not in fast.__dict__
 
 
 @pytest.mark.parametrize('dtype', [torch.bfloat16])
@@ -234,8 +254,8 @@ def build_pair(kind, pvt_sr=1):
     pola = [m for m in ref.modules() if isinstance(m, PolaLinearAttention)]
     assert pola
     for m in pola:
-        m.fused = False
-    assert all(m.use_fast_path for m in fast.modules() if isinstance(m, PolaLinearAttention))
+        m.core = 'reference'
+    assert all(m.core == 'fast' for m in fast.modules() if isinstance(m, PolaLinearAttention))
     return fast, ref
 
 
@@ -247,9 +267,11 @@ def test_backbone_fast_equals_reference(kind, sr, dtype):
     x = torch.randn(2, 3, 72, 88, dtype=dtype)  # not the pretraining size: PE resized
     with torch.no_grad():
         outs_f, outs_r = fast(x), ref(x)
-    assert len(outs_f) == len(outs_r) == 4
-    for a, b in zip(outs_f, outs_r):
+        outs_c = deploy.convert(fast)(x)  # the inference forms
+    assert len(outs_f) == len(outs_r) == len(outs_c) == 4
+    for a, c, b in zip(outs_f, outs_c, outs_r):
         assert_rel(a, b, dtype)
+        assert_rel(c, b, dtype)
 
 
 @pytest.mark.parametrize('kind', ['pvt', 'swin'])
@@ -281,14 +303,16 @@ def test_fast_path_macs_equal_reference(layout):
     x = torch.randn(2, 36, 48)
     # a plain callable runs the module as it is set (count_macs(module) counts the reference)
     fast = count_macs(lambda: m(x, (6, 6))).total
-    m.fused = False
-    assert fast == count_macs(lambda: m(x, (6, 6))).total > 0
+    deploy.convert(m)  # the chunked inference form
+    chunked = count_macs(lambda: m(x, (6, 6))).total
+    deploy.revert(m).core = 'reference'
+    assert fast == chunked == count_macs(lambda: m(x, (6, 6))).total > 0
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
 @pytest.mark.parametrize('max_threads', [4, 0])  # numpy's log2, then torch's
 def test_log2_in_place(dtype, max_threads, monkeypatch):
-    """``ops.common.log2_`` (numpy's vectorised log2 on CPU with few threads, else torch's) is
+    """``ops.common.numpy_log2_`` (numpy's vectorised log2 on CPU with few threads, else torch's) is
     in place and equals the log2 to about an ulp, ``log2(0) = -inf`` without warnings, on a
     strided view too."""
     import warnings
@@ -301,9 +325,9 @@ def test_log2_in_place(dtype, max_threads, monkeypatch):
     want = torch.log2(x.double())
     with warnings.catch_warnings():
         warnings.simplefilter('error')
-        out = common.log2_(x)
+        out = common.numpy_log2_(x)
         view = base.to(dtype).clone()[:, ::3]
-        common.log2_(view)
+        common.numpy_log2_(view)
     assert out is x
     assert x[3, 4] == -float('inf')
     ok = torch.isfinite(want)
@@ -313,12 +337,12 @@ def test_log2_in_place(dtype, max_threads, monkeypatch):
 
 
 def test_log2_keeps_torch_for_fake_tensors():
-    """Under a fake-tensor mode (tracing, export) ``log2_`` has no memory to hand to numpy and
-    runs torch's op, so shapes propagate as usual."""
+    """Under a fake-tensor mode (tracing, export) ``numpy_log2_`` has no memory to hand to numpy
+    and runs torch's op, so shapes propagate as usual."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from linattn_mm.ops.common import log2_
+    from linattn_mm.ops.common import numpy_log2_
     with FakeTensorMode():
         t = torch.empty(8, 3)
-        out = log2_(t)
+        out = numpy_log2_(t)
     assert out.shape == (8, 3) and out.dtype == torch.float32

@@ -1,13 +1,14 @@
 """The chunked in-place FFN kernel (:mod:`linattn_mm.ops.ffn`) against the FFN formula written out
-here, and its automatic use in ``TransformerBlock`` (inference only; plain form in training, with
-gradients, under autocast and with the PVTv2 depth-wise conv FFN)."""
+here, and its use in the inference form of ``TransformerBlock`` (:func:`linattn_mm.deploy.convert`:
+inference only; the PVTv2 depth-wise conv FFN keeps its plain form); the GEMM patch embedding."""
 import math
 
 import pytest
 import torch
-from conftest import hidden_formula, record_calls
+from conftest import assert_inference_only, hidden_formula, record_calls
 
-import linattn_mm.models.utils.layers as layers
+import linattn_mm.deploy.blocks as deploy_blocks
+from linattn_mm import deploy
 from linattn_mm.models.backbones import LinAttnPVT, LinAttnSwin
 from linattn_mm.models.utils.layers import TransformerBlock
 from linattn_mm.ops.ffn import CPU_CHUNK_ROWS, ffn_residual_
@@ -81,17 +82,16 @@ def make_block(dwconv=False):
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    return record_calls(monkeypatch, layers, 'ffn_residual_')
+    return record_calls(monkeypatch, deploy_blocks, 'ffn_residual_')
 
 
 def test_block_uses_kernel_in_inference_with_same_output(kernel_calls):
     blk = make_block().eval()
     x = torch.randn(2, 30, 16)
     with torch.no_grad():
-        blk.fused_ffn = False
         plain = blk(x, (5, 6))
         assert kernel_calls == []
-        blk.fused_ffn = None
+        deploy.convert(blk)
         fused = blk(x, (5, 6))
     assert kernel_calls == [(2, 30, 16)]
     assert torch.allclose(fused, plain, rtol=1e-6, atol=1e-6)
@@ -111,38 +111,29 @@ def test_block_plain_where_kernel_cannot_run(kernel_calls):
     assert blk.mlp.fc1.weight.grad is not None
     with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16):
         blk(x, (3, 4))
+    dw = deploy.convert(make_block(dwconv=True).eval())  # PVTv2 FFN: no inference form
+    assert type(dw) is TransformerBlock
     with torch.no_grad():
-        make_block(dwconv=True).eval()(x, (3, 4))  # PVTv2 FFN
+        dw(x, (3, 4))
     assert kernel_calls == []
     # frozen parameters and an input without grad: inference even with autograd on
     for p in blk.parameters():
         p.requires_grad_(False)
-    blk(x, (3, 4))
+    deploy.convert(blk)(x, (3, 4))
     assert kernel_calls == [(1, 12, 16)]
 
 
-def test_block_forced_kernel_names_the_problem():
+def test_block_inference_form_names_the_problem():
     x = torch.randn(1, 12, 16)
-    blk = make_block()
-    blk.fused_ffn = True
-    with pytest.raises(RuntimeError, match='eval mode only'):
-        blk.train()(x, (3, 4))
-    with pytest.raises(RuntimeError, match='gradient is needed'):
-        blk.eval()(x, (3, 4))
-    with pytest.raises(RuntimeError, match='depth-wise conv'):
-        dw = make_block(dwconv=True).eval()
-        dw.fused_ffn = True
-        with torch.no_grad():
-            dw(x, (3, 4))
-    blk.fused_ffn = 'yes'
-    with pytest.raises(RuntimeError, match="fused_ffn must be None, True or False, got 'yes'"):
-        with torch.no_grad():
-            blk(x, (3, 4))
+    blk = deploy.convert(make_block().eval())
+    assert_inference_only(blk, lambda: blk(x, (3, 4)), lambda: blk(x, (3, 4)))
+    assert 'depth-wise conv' in deploy_blocks.TransformerBlockCPU.unsupported(
+        make_block(dwconv=True))
 
 
 @pytest.mark.parametrize('kind', ['pvt', 'swin'])
 def test_backbone_fused_equals_plain(kind, kernel_calls):
-    """Whole Pola backbones in eval: fused FFN (automatic) against the plain form."""
+    """Whole Pola backbones in eval: converted (fused FFN) against the plain form."""
     torch.manual_seed(0)
     pola = dict(type='PolaLinearAttention')
     if kind == 'pvt':
@@ -157,11 +148,9 @@ def test_backbone_fused_equals_plain(kind, kernel_calls):
     blocks = [m for m in net.modules() if isinstance(m, TransformerBlock)]
     x = torch.randn(2, 3, 72, 88)
     with torch.no_grad():
-        fused = net(x)
+        fused = deploy.convert(net)(x)
         assert len(kernel_calls) == len(blocks) > 4
-        for b in blocks:
-            b.fused_ffn = False
-        plain = net(x)
+        plain = deploy.revert(net)(x)
     assert len(kernel_calls) == len(blocks)
     for a, b in zip(fused, plain):
         err = ((a - b).abs().max() / b.abs().max()).item()
@@ -170,69 +159,71 @@ def test_backbone_fused_equals_plain(kind, kernel_calls):
 
 def test_mac_count_runs_the_plain_ffn_and_restores_the_setting():
     """The counter names MACs after modules: the FFN's fc1 / fc2 are counted as such (the fused
-    kernel would bypass them) and every block's setting is back afterwards."""
+    kernel would bypass them) and every converted block is converted again afterwards."""
     from linattn_mm.flops import count_macs
     torch.manual_seed(0)
     net = LinAttnPVT(arch=dict(embed_dims=[16, 32, 40, 64], depths=[1, 1, 1, 1],
                                num_heads=[1, 2, 5, 8], mlp_ratios=[2, 2, 2, 2],
                                sr_ratios=[8, 4, 2, 1]), pretrain_img_size=64).eval()
     blocks = [m for m in net.modules() if isinstance(m, TransformerBlock)]
-    blocks[1].fused_ffn = True
+    deploy.convert(blocks[1])
     macs = count_macs(net, torch.randn(1, 3, 64, 64))
     # stage 1: 16 x 16 tokens, 16 -> 32 -> 16 channels
     assert macs.by_module['block1.0.mlp.fc1'] == 256 * 16 * 32
     assert macs.by_module['block1.0.mlp.fc2'] == 256 * 32 * 16
-    assert 'fused_ffn' not in blocks[0].__dict__ and blocks[0].fused_ffn is None
-    assert blocks[1].fused_ffn is True
+    assert type(blocks[0]) is TransformerBlock
+    assert type(blocks[1]) is deploy_blocks.TransformerBlockCPU
 
 
 @pytest.mark.parametrize('cin,cout,p,hw,channels_last', [(3, 16, 4, (37, 50), False),
                                                           (8, 12, 2, (10, 14), True),
                                                           (8, 12, 2, (9, 7), True)])
 def test_patch_embedding_gemm_form_equals_the_conv(cin, cout, p, hw, channels_last, monkeypatch):
-    """CPU inference embeds non-overlapping patches with one GEMM on the gathered patches; the
-    strided conv (the form that runs with gradients) gives the same tokens and grid, padding at
-    the bottom/right included."""
+    """The CPU inference form embeds non-overlapping patches with one GEMM on the gathered
+    patches; the strided conv (the plain form) gives the same tokens and grid, padding at the
+    bottom/right included."""
     from linattn_mm.models.utils.layers import PatchEmbed
     torch.manual_seed(0)
-    pe = PatchEmbed(cin, cout, p, p).double()
+    pe = PatchEmbed(cin, cout, p, p).double().eval()
     with torch.no_grad():
         pe.norm.weight.normal_()
     x = torch.randn(2, cin, *hw, dtype=torch.float64)
     if channels_last:  # a stage output: tokens viewed as NCHW
         x = x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
-    calls = record_calls(monkeypatch, pe, '_patchify')
-    padded = (2, cin, -(-hw[0] // p) * p, -(-hw[1] // p) * p)  # what the GEMM form receives
+    calls = record_calls(monkeypatch, deploy_blocks.PatchEmbedCPU, 'forward')
+    want, want_hw = pe(x)  # the plain form: the conv
+    deploy.convert(pe)
     with torch.no_grad():
         got, got_hw = pe(x)
-    assert calls == [padded]
-    want, want_hw = pe(x)  # parameters require grad: the conv
-    pe.patchify = False
+    assert calls == [(2, cin, *hw)]
+    deploy.revert(pe)
     with torch.no_grad():
-        plain, _ = pe(x)  # switched off: the conv in inference too
+        plain, _ = pe(x)  # unconverted: the conv in inference too
     assert torch.equal(plain, want.detach())
-    assert calls == [padded] and got_hw == want_hw == (-(-hw[0] // p), -(-hw[1] // p))
+    assert calls == [(2, cin, *hw)] and got_hw == want_hw == (-(-hw[0] // p), -(-hw[1] // p))
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-12
 
 
 def test_mac_count_names_the_window_and_patch_embedding_modules():
-    """The grouped window attention and the GEMM patch embedding bypass ``qkv`` / ``proj``; the
-    counter runs their plain forms, so the per-module counts keep those names, and the settings
-    are back afterwards."""
+    """The inference forms of the window attention (windows in groups) and of the patch embedding
+    (one GEMM) bypass ``qkv`` / ``proj``; the counter runs their plain forms, so the per-module
+    counts keep those names, and the forms are back afterwards."""
+    from linattn_mm.deploy.mixers import WindowSoftmaxAttentionCPU
     from linattn_mm.flops import count_macs
     from linattn_mm.models.attentions.softmax import WindowSoftmaxAttention
     from linattn_mm.models.utils.layers import PatchEmbed
     net = LinAttnSwin(arch=dict(embed_dims=24, depths=[1, 1, 2, 1], num_heads=[3, 3, 6, 12]),
                       attn_cfg=dict(type='WindowSoftmaxAttention'), pretrain_img_size=64).eval()
     windows = [m for m in net.modules() if isinstance(m, WindowSoftmaxAttention)]
-    windows[1].grouped = False
+    deploy.convert(net)
+    deploy.revert(windows[1])
     macs = count_macs(net, torch.randn(1, 3, 64, 64))
     # 16 x 16 tokens of 24 channels from 4 x 4 patches of 3 channels; the window-7 attention
     # projects the grid padded to 21 x 21
     assert macs.by_module['patch_embed.proj'] == 256 * 24 * 3 * 16
     assert macs.by_module['layers.0.blocks.0.attn.qkv'] == 441 * 24 * 72
     assert macs.by_module['layers.0.blocks.0.attn.proj'] == 441 * 24 * 24
-    assert 'grouped' not in windows[0].__dict__ and windows[0].grouped is None
-    assert windows[1].grouped is False
+    assert type(windows[0]) is WindowSoftmaxAttentionCPU
+    assert type(windows[1]) is WindowSoftmaxAttention
     pe = net.patch_embed
-    assert isinstance(pe, PatchEmbed) and 'patchify' not in pe.__dict__ and pe.patchify is None
+    assert isinstance(pe, PatchEmbed) and type(pe) is deploy_blocks.PatchEmbedCPU

@@ -36,7 +36,7 @@ def test_own_skeleton_runs_pair_each_family_with_its_softmax_skeleton():
     assert names == ['softmax', 'nalaformer-softmax', 'polaformer', 'nalaformer', 'padre']
     nala_soft = dict((s[0], s) for s in det)['nalaformer-softmax']
     assert nala_soft[1].endswith('mask-rcnn_nalaformer-t_fpn_1x_coco.py')
-    assert nala_soft[2] == dict(attn_types='softmax')
+    assert nala_soft[2] == dict(attn_cfg=dict(type='NaLaSoftmaxAttention'))
     assert det[0][1] == 'configs/swin/mask-rcnn_swin-t_fpn_1x_coco.py'
     seg = TOOL['runs_of']('seg', ['setformer'], 'own')
     assert [s[0] for s in seg] == ['setformer-softmax', 'setformer']

@@ -308,21 +308,28 @@ def test_output_shapes_any_size(tiny, hw, grids):
 
 
 def test_stage_types_options_and_errors():
-    m = NaLaFormer('xt', out_indices=(1, 3), nala_cfg=dict(kernel='paper'))
+    paper = dict(type='NormAwareLinearAttention', kernel='paper')
+    m = NaLaFormer('xt', out_indices=(1, 3),
+                   attn_cfg=[paper, paper, dict(type='NaLaSoftmaxAttention')] * 1
+                   + [dict(type='NaLaSoftmaxAttention')])
     assert [type(s.blocks[0].attn).__name__ for s in m.layers] == [
         'NormAwareLinearAttention', 'NormAwareLinearAttention', 'NaLaSoftmaxAttention',
         'NaLaSoftmaxAttention']
     assert m.layers[0].blocks[0].attn.kernel == 'paper'
     assert set(m.extra_norms) == {'1', '3'}
-    lin = NaLaFormer('xt', attn_types='nala', out_indices=(3, ))
+    lin = NaLaFormer('xt', attn_cfg=dict(type='NormAwareLinearAttention'), out_indices=(3, ))
     assert all(type(s.blocks[-1].attn) is NormAwareLinearAttention for s in lin.layers)
     with torch.no_grad():
         assert [o.shape for o in lin.eval()(torch.randn(1, 3, 40, 40))] == [(1, 384, 2, 2)]
     assert NaLaFormer('b').layers[2].blocks[0].gamma_1.flatten()[0].item() == pytest.approx(1e-6)
     assert not hasattr(NaLaFormer('xt', layer_scale_init_values=0).layers[0].blocks[0], 'gamma_1')
     assert NaLaFormer('l').drop_path_rate == 0.55
-    with pytest.raises(ValueError, match='attn_types'):
-        NaLaFormer('xt', attn_types=('nala', 'linear', 'softmax', 'softmax'))
+    with pytest.raises(KeyError, match="unknown attention type 'linear'"):
+        NaLaFormer('xt', attn_cfg=[dict(type='NormAwareLinearAttention'), dict(type='linear'),
+                                   dict(type='NaLaSoftmaxAttention')] * 1
+                   + [dict(type='NaLaSoftmaxAttention')])
+    with pytest.raises(ValueError, match='attn_cfg has 2 entries'):
+        NaLaFormer('xt', attn_cfg=[dict(type='NormAwareLinearAttention')] * 2)
     with pytest.raises(ValueError, match='nothing to return'):
         NaLaFormer('xt', out_indices=())
     with pytest.raises(KeyError, match='valid archs'):

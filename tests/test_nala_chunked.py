@@ -1,15 +1,16 @@
-"""The chunked inference form of the whole NaLa layer (:func:`linattn_mm.ops.nala.
-nala_layer_chunked`) against the reference layer (``fused=False``: feature maps, RoPE and gate in
-the official order of operations), and when ``NormAwareLinearAttention`` selects it (CPU
-inference only)."""
+"""The chunked inference form of the whole NaLa layer (:func:`linattn_mm.ops.nala.chunked_cpu.
+nala_layer_chunked`, the CPU form :func:`linattn_mm.deploy.convert` gives
+``NormAwareLinearAttention``) against the reference layer (``core='reference'``: feature maps, RoPE
+and gate in the official order of operations), and which mixers get it."""
 import pytest
 import torch
-from conftest import record_calls
+from conftest import assert_inference_only, record_calls
 
-import linattn_mm.models.attentions.nala as nala_mod
-import linattn_mm.ops.nala as nala_ops
+import linattn_mm.deploy.mixers as deploy_mixers
+import linattn_mm.ops.nala.chunked_cpu as nala_ops
+from linattn_mm import deploy
 from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d
-from linattn_mm.ops.nala import nala_layer_chunked
+from linattn_mm.ops.nala.chunked_cpu import nala_layer_chunked
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 CASES = [dict(), dict(use_rope=False), dict(power=2.), dict(qkv_bias=False, heads=1),
@@ -21,12 +22,12 @@ def pair(case, dtype, dims=32):
     heads = case.pop('heads', 2)
     torch.manual_seed(0)
     fast = NormAwareLinearAttention(dims, heads, **case)
-    ref = NormAwareLinearAttention(dims, heads, fused=False, **case)
+    ref = NormAwareLinearAttention(dims, heads, core='reference', **case)
     with torch.no_grad():
         for p in fast.parameters():
             p.add_(0.2 * torch.randn_like(p))
     ref.load_state_dict(fast.state_dict())
-    return fast.to(dtype).eval(), ref.to(dtype).eval()
+    return deploy.convert(fast.to(dtype).eval()), ref.to(dtype).eval()
 
 
 def rel_err(a, b):
@@ -35,7 +36,7 @@ def rel_err(a, b):
 
 @pytest.fixture
 def chunked_calls(monkeypatch):
-    return record_calls(monkeypatch, nala_mod, 'nala_layer_chunked')
+    return record_calls(monkeypatch, deploy_mixers, 'nala_layer_chunked')
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
@@ -61,31 +62,26 @@ def test_layer_with_a_shared_rope_equals_reference(chunked_calls):
     assert len(chunked_calls) == 1
 
 
-def test_selected_only_for_cpu_inference(chunked_calls):
+def test_converted_only_where_the_form_applies(chunked_calls):
     x = torch.randn(1, 20, 32)
     fast, _ = pair({}, torch.float32)
     with torch.no_grad():
         fast(x, (4, 5))
     assert len(chunked_calls) == 1
-    fast(x, (4, 5))  # parameters require grad
-    fast.train()
+    # gradients, training mode, autocast: refused with the reason
+    assert_inference_only(fast, lambda: fast(x, (4, 5)), lambda: fast(x, (4, 5)))
     with torch.no_grad():
+        deploy.revert(fast).core = 'reference'
         fast(x, (4, 5))
-    fast.eval()
-    with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16):
-        fast(x, (4, 5))
-    with torch.no_grad():
-        for fused in (False, 'triton'):
-            fast.fused = fused
-            if fused == 'triton':
-                with pytest.raises(RuntimeError):  # no Triton run on CPU tensors
-                    fast(x, (4, 5))
-            else:
-                fast(x, (4, 5))
-        fast.fused = None
+        fast.core = 'triton'
+        with pytest.raises(RuntimeError):  # no Triton run on CPU tensors
+            fast(x, (4, 5))
+        fast.core = 'fast'
         paper, _ = pair(dict(kernel='paper'), torch.float32)
+        assert type(paper) is NormAwareLinearAttention  # no chunked form: left as it is
         paper(x, (4, 5))
     assert len(chunked_calls) == 1
+    deploy.convert(fast)
     for p in fast.parameters():
         p.requires_grad_(False)
     fast(x, (4, 5))

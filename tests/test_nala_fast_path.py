@@ -1,15 +1,17 @@
 """NaLa fast path (:func:`linattn_mm.ops.nala.nala_attention_fast`) against the reference core of
 :class:`NormAwareLinearAttention` (``feature_maps`` + ``apply_rope`` in the official order of
 operations, written out in tests/conftest.py from the module docstring's formulas): the kernel,
-the module with ``fused=None`` against ``fused=False``, and a whole NaLaFormer backbone, outputs
-and gradients, in float32 (1e-5 relative) and float64 (1e-10 relative)."""
+the module with ``core='fast'`` (the default) against ``core='reference'``, and a whole NaLaFormer
+backbone, outputs and gradients, in float32 (1e-5 relative) and float64 (1e-10 relative)."""
 import pytest
 import torch
 
+from linattn_mm import deploy
+from linattn_mm.models.attentions import build_attention
 from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d
 from linattn_mm.models.backbones.nalaformer import NaLaFormer
-from linattn_mm.ops import nala_attention_fast
-from conftest import nala_reference_core as reference_core
+from linattn_mm.ops.nala import nala_attention_fast
+from oracles.nala import nala_reference_core as reference_core
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 
@@ -67,7 +69,7 @@ def nala_pair(dtype, seed=0):
         for prm in fast.parameters():
             prm.normal_(0, 0.3)
         fast.ln.weight.add_(1)
-    ref = NormAwareLinearAttention(64, 2, fused=False).to(dtype)
+    ref = NormAwareLinearAttention(64, 2, core='reference').to(dtype)
     ref.load_state_dict(fast.state_dict())
     return fast, ref
 
@@ -75,7 +77,7 @@ def nala_pair(dtype, seed=0):
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
 def test_module_fast_equals_reference(dtype):
     fast, ref = nala_pair(dtype)
-    assert fast.use_fast_path and not ref.use_fast_path
+    assert fast.core == 'fast' and ref.core == 'reference'
     x = torch.randn(2, 6 * 7, 64, dtype=dtype)
     with torch.no_grad():
         assert rel_err(fast(x, (6, 7)), ref(x, (6, 7))) < TOL[dtype]
@@ -89,25 +91,33 @@ def test_module_fast_equals_reference(dtype):
 
 def test_paper_kernel_and_bad_option():
     m = NormAwareLinearAttention(32, 2, kernel='paper')
-    assert not m.use_fast_path  # the cos/sin kernel has only the reference form
-    with pytest.raises(ValueError, match="fused must be None, True, False or 'triton'"):
-        NormAwareLinearAttention(32, 2, fused='yes')
+    assert m.core == 'fast'  # the cos/sin kernel: its reference recomputed in the backward
+    with pytest.raises(ValueError, match="kernel='paper' has no Triton core"):
+        NormAwareLinearAttention(32, 2, kernel='paper', core='triton')
+    with pytest.raises(ValueError, match="core must be one of"):
+        NormAwareLinearAttention(32, 2, core='yes')
+    with pytest.raises(TypeError, match="'fused' is now core"):
+        build_attention(dict(type='NormAwareLinearAttention', fused=True), embed_dims=32,
+                        num_heads=2)
 
 
 def test_backbone_fast_equals_reference():
     arch = dict(embed_dims=[32, 64, 64, 64], depths=[1, 1, 1, 1], num_heads=[1, 2, 2, 4],
                 mlp_ratios=[2, 2, 2, 2])
     torch.manual_seed(0)
-    net = NaLaFormer(arch=arch, attn_types='nala').double().eval()
+    net = NaLaFormer(arch=arch, attn_cfg=dict(type='NormAwareLinearAttention')).double().eval()
     mixers = [m for m in net.modules() if isinstance(m, NormAwareLinearAttention)]
     assert len(mixers) == 4
     x = torch.randn(1, 3, 70, 90, dtype=torch.float64)
     with torch.no_grad():
         fast = net(x)
+        converted = deploy.convert(net)(x)
+        deploy.revert(net)
         for m in mixers:
-            m.fused = False
+            m.core = 'reference'
         ref = net(x)
     assert all(rel_err(a, b) < 1e-10 for a, b in zip(fast, ref))
+    assert all(rel_err(a, b) < 1e-10 for a, b in zip(converted, ref))
 
 
 def test_mac_count_is_the_reference_model_whatever_the_kernel():
@@ -121,11 +131,13 @@ def test_mac_count_is_the_reference_model_whatever_the_kernel():
     x = torch.randn(1, N, C)
     want = 5 * N * C * C + 25 * N * C + h * (2 * N * 2 * d * d + N * 2 * d)
     assert count_macs(m, x, (H, W)).total == want
-    assert m.fused is None
-    fast = count_macs(lambda: m(x, (H, W))).total  # the kernel as it runs: the chunked CPU layer
+    assert m.core == 'fast'
+    deploy.convert(m)
+    fast = count_macs(lambda: m(x, (H, W))).total  # the form as it runs: the chunked CPU layer
     # keys: [f cos | f sin]^T v, (4d, d) per head; queries: [f cos | f sin] @ (4d, d) for the
     # numerator and f @ (2d, 1) for the denominator
     assert fast == 5 * N * C * C + 25 * N * C + h * (N * 4 * d * d + N * 4 * d * d + N * 2 * d)
+    assert type(m) is deploy.mixers.NormAwareLinearAttentionCPU  # restored after counting
     with torch.no_grad():
-        m.train()  # the unchunked fast kernel: RoPE folded, (4d, d) matrices on both sides
+        deploy.revert(m)  # the unchunked fast kernel: RoPE folded, (4d, d) matrices on both sides
         assert count_macs(lambda: m(x, (H, W))).total == want + h * 2 * N * 2 * d * d

@@ -1,15 +1,18 @@
-"""The Triton core of NaLa attention (:mod:`linattn_mm.ops.nala_triton`) against a float64
+"""The Triton core of NaLa attention (:mod:`linattn_mm.ops.nala.triton`) against a float64
 implementation of the official kernel written from the formulas (d(q)^p with the norm-dependent
 power, k^lam, sign split, unrotated normaliser, 2-D RoPE on the numerator). Without a GPU the
 kernels run in Triton's interpreter on CPU tensors (a subprocess with ``TRITON_INTERPRET=1``, see
-``tests/triton_interpret_checks.py``); with CUDA they are also compiled, checked and checked to be
-selected automatically in inference."""
+``tests/triton_interpret_checks.py``); with CUDA they are also compiled, checked and checked to
+run in the model converted for CUDA (:func:`linattn_mm.deploy.convert`)."""
 import pytest
 import torch
 
-import linattn_mm.ops.nala_triton as nt
+import linattn_mm.ops.nala.triton as nt
+from linattn_mm import deploy
 from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d
-from conftest import nala_reference_core, record_calls, triton_interpret_checks
+from linattn_mm.ops.dispatch import triton_available
+from oracles.nala import nala_reference_core
+from conftest import record_calls, triton_interpret_checks
 
 pytestmark = pytest.mark.skipif(nt.triton is None, reason='Triton is not installed')
 
@@ -42,7 +45,7 @@ def test_bad_inputs_are_named():
         nt.nala_attention_triton(q, torch.randn(1, 2, 16, 4), q)
     with pytest.raises(TypeError, match='float64'):
         nt.nala_attention_triton(q.double(), q.double(), q.double())
-    if not nt.triton_available(q):
+    if not triton_available(q):
         with pytest.raises(RuntimeError, match='runs on CUDA tensors'):
             nt.nala_attention_triton(q, q, q)
     with pytest.raises(ValueError, match='power must be positive'):
@@ -56,11 +59,11 @@ def test_bad_inputs_are_named():
 
 
 def test_module_options_are_checked():
-    with pytest.raises(ValueError, match="fused must be None, True, False or 'triton'"):
-        NormAwareLinearAttention(16, 2, fused='fast')
+    with pytest.raises(ValueError, match="core must be one of"):
+        NormAwareLinearAttention(16, 2, core='auto')
     with pytest.raises(ValueError, match="kernel='paper' has no Triton core"):
-        NormAwareLinearAttention(16, 2, kernel='paper', fused='triton')
-    m = NormAwareLinearAttention(16, 2, fused='triton')
+        NormAwareLinearAttention(16, 2, kernel='paper', core='triton')
+    m = NormAwareLinearAttention(16, 2, core='triton')
     with pytest.raises(RuntimeError, match='forward-only'):
         m(torch.randn(1, 16, 16), (4, 4))  # training: a gradient is needed
 
@@ -82,7 +85,7 @@ def test_cuda_kernel_is_selected_and_matches(monkeypatch, dtype):
     m = NormAwareLinearAttention(h * d, h).cuda().eval()
     x = torch.randn(B, H * W, h * d, device='cuda', generator=g)
     with torch.no_grad():
-        fast = m(x, (H, W))
-        m.fused = False
+        fast = deploy.convert(m)(x, (H, W))
+        deploy.revert(m).core = 'reference'
         ref = m(x, (H, W))
     assert calls and ((fast - ref).abs().max() / ref.abs().max()).item() < 1e-5

@@ -11,8 +11,10 @@ import torch.nn.functional as F
 
 import linattn_mm
 from linattn_mm.models.attentions import build_attention
-from linattn_mm.models.attentions.pola import (PolaLinearAttention, polarity_attention,
-                                               polarity_attention_fused)
+from linattn_mm import deploy
+from linattn_mm.models.attentions.pola import PolaLinearAttention
+from linattn_mm.ops.pola import polarity_attention_reference as polarity_attention
+from oracles.pola import polarity_attention_one_gemm
 from linattn_mm.models.backbones import LinAttnPVT, LinAttnPVTv2, LinAttnSwin, LinAttnViT
 
 POLA_PVT = dict(type='PolaLinearAttention')
@@ -112,11 +114,11 @@ def direct_pola(m, x, hw):
     ('qkvg', 0, 1, (5, 7)),
     ('qkvg', 1, 1, (4, 6)),
 ])
-@pytest.mark.parametrize('fused', [False, True])
-def test_attention_matches_direct_formulas(layout, extra, sr, hw, fused):
+@pytest.mark.parametrize('core', ['reference', 'fast'])
+def test_attention_matches_direct_formulas(layout, extra, sr, hw, core):
     torch.manual_seed(0)
     m = PolaLinearAttention(24, 3, qkv_layout=layout, la_sr_ratio=sr, pretrain_hw=(4, 4),
-                            num_extra_tokens=extra, fused=fused)
+                            num_extra_tokens=extra, core=core)
     randomise_(m).double().eval()
     x = torch.randn(2, extra + hw[0] * hw[1], 24, dtype=torch.float64)
     got = m(x, hw)
@@ -126,12 +128,13 @@ def test_attention_matches_direct_formulas(layout, extra, sr, hw, fused):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-def test_fused_identity_matches_reference_core():
+def test_one_gemm_identity_matches_reference_core():
     torch.manual_seed(1)
     q, k, v = (torch.randn(2, 3, n, 8, dtype=torch.float64) for n in (11, 13, 13))
     p = 1 + 4 * torch.rand(1, 3, 1, 8, dtype=torch.float64)
     ref = polarity_attention(q, k, v, p)
-    torch.testing.assert_close(polarity_attention_fused(q, k, v, p), ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(polarity_attention_one_gemm(q, k, v, p), ref, rtol=1e-12,
+                               atol=1e-12)
 
 
 def test_class_token_not_in_dwc_nor_position_encoding():
@@ -191,15 +194,21 @@ def test_positional_encoding_resized_and_cached():
                          mode='bicubic', align_corners=False).flatten(2).transpose(1, 2)
     torch.testing.assert_close(m.pos_enc((5, 11)), want)
     assert m.pos_enc((8, 8)) is m.positional_encoding
-    m.eval()
+    # the inference form keeps the resized table between calls
+    deploy.convert(m.eval())
+    x = torch.randn(1, 55, 16)
     with torch.no_grad():
-        a = m.pos_enc((5, 11))
-        assert m.pos_enc((5, 11)) is a  # cached in inference
+        m(x, (5, 11))
+        a = m._inference_cache['pos_enc'][1]
+        torch.testing.assert_close(a, want.reshape(55, 16))
+        m(x, (5, 11))
+        assert m._inference_cache['pos_enc'][1] is a  # cached in inference
         m.positional_encoding.mul_(2)  # in-place update invalidates the cache
-        b = m.pos_enc((5, 11))
-    torch.testing.assert_close(b, 2 * want)
-    m.train()
-    assert m._pe_cache is None
+        m(x, (5, 11))
+        b = m._inference_cache['pos_enc'][1]
+    torch.testing.assert_close(b, 2 * want.reshape(55, 16))
+    deploy.revert(m)
+    assert '_inference_cache' not in m.__dict__
     # on a 200x334 grid (stage 1 of a 1333x800 image) the module runs and the PE is resized
     big = PolaLinearAttention(32, 1, qkv_layout='qkvg', pretrain_hw=(56, 56)).eval()
     with torch.no_grad():

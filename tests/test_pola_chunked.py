@@ -1,14 +1,16 @@
-"""The chunked inference form of the whole Pola layer (:func:`linattn_mm.ops.pola.
-polarity_layer_chunked`) against the reference layer (``fused=False``: the official order of
-operations), and when ``PolaLinearAttention`` selects it (CPU inference only)."""
+"""The chunked inference form of the whole Pola layer (:func:`linattn_mm.ops.pola.chunked_cpu.
+polarity_layer_chunked`, the CPU form :func:`linattn_mm.deploy.convert` gives
+``PolaLinearAttention``) against the reference layer (``core='reference'``: the official order of
+operations), and which mixers get it."""
 import pytest
 import torch
-from conftest import record_calls
+from conftest import assert_inference_only, record_calls
 
-import linattn_mm.models.attentions.pola as pola_mod
-import linattn_mm.ops.pola as pola_ops
+import linattn_mm.deploy.mixers as deploy_mixers
+import linattn_mm.ops.pola.chunked_cpu as chunked_ops
+from linattn_mm import deploy
 from linattn_mm.models.attentions.pola import PolaLinearAttention
-from linattn_mm.ops.pola import polarity_layer_chunked
+from linattn_mm.ops.pola.chunked_cpu import polarity_layer_chunked
 from test_fast_paths import assert_rel, randomise_
 
 CASES = [
@@ -20,28 +22,29 @@ CASES = [
 ]
 
 
-def pair(case, dtype):
+def pair(case, dtype, convert=True):
     case = dict(case)
     dims, heads = case.pop('dims', 24), case.pop('heads', 3)
     torch.manual_seed(0)
     kw = dict(pretrain_hw=(4, 4)) if case.get('use_pos_enc', True) else {}
     fast = PolaLinearAttention(dims, heads, **kw, **case)
-    ref = PolaLinearAttention(dims, heads, fused=False, **kw, **case)
+    ref = PolaLinearAttention(dims, heads, core='reference', **kw, **case)
     randomise_(fast)
     ref.load_state_dict(fast.state_dict())
-    return fast.to(dtype).eval(), ref.to(dtype).eval()
+    fast = fast.to(dtype).eval()
+    return deploy.convert(fast) if convert else fast, ref.to(dtype).eval()
 
 
 @pytest.fixture
 def chunked_calls(monkeypatch):
-    return record_calls(monkeypatch, pola_mod, 'polarity_layer_chunked')
+    return record_calls(monkeypatch, deploy_mixers, 'polarity_layer_chunked')
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
 @pytest.mark.parametrize('case', CASES)
 @pytest.mark.parametrize('rows', [4, 13, 10_000])  # remainders, one chunk per image
 def test_layer_equals_reference(case, dtype, rows, monkeypatch, chunked_calls):
-    monkeypatch.setattr(pola_ops, 'LAYER_CHUNK_ROWS', rows)
+    monkeypatch.setattr(chunked_ops, 'LAYER_CHUNK_ROWS', rows)
     fast, ref = pair(case, dtype)
     hw = (5, 7)  # not the pretraining grid: the position encoding is resized
     x = torch.randn(2, 35, fast.embed_dims, dtype=dtype)
@@ -54,40 +57,33 @@ def test_layer_equals_reference(case, dtype, rows, monkeypatch, chunked_calls):
 
 
 @pytest.mark.parametrize('case', CASES[:2])
-def test_unchunked_inference_path_still_equals_reference(case, monkeypatch, chunked_calls):
-    """The fast kernel's own inference form (used on CUDA without Triton, and for the layers the
-    chunked form does not cover) keeps its coverage for the eligible layouts too."""
-    monkeypatch.setattr(PolaLinearAttention, '_use_chunked_layer', lambda self, x: False)
-    fast, ref = pair(case, torch.float64)
+def test_unchunked_inference_path_still_equals_reference(case, chunked_calls):
+    """The fast kernel's own forward form (the unconverted mixer in inference, e.g. on CUDA
+    without Triton, and the layers the chunked form does not cover) keeps its coverage for the
+    eligible layouts too."""
+    fast, ref = pair(case, torch.float64, convert=False)
     x = torch.randn(2, 35, 24, dtype=torch.float64)
     with torch.no_grad():
         assert_rel(fast(x, (5, 7)), ref(x, (5, 7)), torch.float64)
     assert chunked_calls == []
 
 
-def test_selected_only_for_cpu_inference(chunked_calls):
+def test_converted_only_where_the_form_applies(chunked_calls):
     x = torch.randn(1, 20, 24)
     fast, _ = pair(CASES[0], torch.float32)
     with torch.no_grad():
         fast(x, (4, 5))
     assert len(chunked_calls) == 1
-    fast(x, (4, 5))  # parameters require grad: autograd path
-    fast.train()
-    with torch.no_grad():
-        fast(x, (4, 5))  # training mode
-    fast.eval()
-    with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16):
-        fast(x, (4, 5))
-    with torch.no_grad():
-        fast.fused = False
-        fast(x, (4, 5))
-        fast.fused = None
+    # gradients, training mode, autocast: refused with the reason
+    assert_inference_only(fast, lambda: fast(x, (4, 5)), lambda: fast(x, (4, 5)))
+    with torch.no_grad(), pytest.raises(RuntimeError, match='float32 / float64 inputs'):
         fast.half()(x.half(), (4, 5))  # only float32 / float64
     others = [dict(qkv_layout='qkvg', gate='static'), dict(qkv_layout='qg_kv', gate='none'),
               dict(qkv_layout='qg_kv', la_sr_ratio=2), dict(qkv_layout='qkvg', num_extra_tokens=1),
               dict(qkv_layout='qkvg', heads=8)]  # head dim 3: odd
     for case in others:
         m, _ = pair(case, torch.float32)
+        assert type(m) is PolaLinearAttention, case  # no chunked form: left as it is
         e = case.get('num_extra_tokens', 0)
         with torch.no_grad():
             m(torch.randn(1, e + 36, 24), (6, 6))

@@ -1,14 +1,17 @@
-"""The Triton core of Pola attention (:mod:`linattn_mm.ops.pola_triton`) against the float64
-reference ``polarity_attention`` (official order of operations). Without a GPU the kernels run in
+"""The Triton core of Pola attention (:mod:`linattn_mm.ops.pola.triton`) against the float64
+reference core (official order of operations). Without a GPU the kernels run in
 Triton's interpreter on CPU tensors (a subprocess with ``TRITON_INTERPRET=1``, see
 ``tests/triton_interpret_checks.py``): the same kernel code, launch grid, masks and key-chunk
 reduction as on CUDA. On a machine with CUDA the kernels are also compiled and checked, and the
-automatic selection (``fused=None``) is checked to pick them in inference."""
+CUDA conversion (:func:`linattn_mm.deploy.convert`) is checked to run them in inference."""
 import pytest
 import torch
 
-import linattn_mm.ops.pola_triton as pt
-from linattn_mm.models.attentions.pola import PolaLinearAttention, polarity_attention
+import linattn_mm.ops.pola.triton as pt
+from linattn_mm import deploy
+from linattn_mm.models.attentions.pola import PolaLinearAttention
+from linattn_mm.ops.dispatch import _interpreting
+from linattn_mm.ops.pola.reference import polarity_attention_reference as polarity_attention
 from conftest import record_calls, triton_interpret_checks
 
 pytestmark = pytest.mark.skipif(pt.triton is None, reason='Triton is not installed')
@@ -41,12 +44,12 @@ def test_bad_inputs_are_named():
         pt.polarity_attention_triton(q, torch.randn(1, 2, 8, 5), q, torch.ones(1, 2, 1, 4))
     with pytest.raises(TypeError, match='float64'):
         pt.polarity_attention_triton(q.double(), q.double(), q.double(), torch.ones(1, 2, 1, 4))
-    if not pt._interpreting():
+    if not _interpreting():
         with pytest.raises(RuntimeError, match='runs on CUDA tensors'):
             pt.polarity_attention_triton(q, q, q, torch.ones(1, 2, 1, 4))
-    with pytest.raises(ValueError, match="fused must be None, True, False or 'triton'"):
-        PolaLinearAttention(16, 2, pretrain_hw=(4, 4), fused='fast')
-    m = PolaLinearAttention(16, 2, pretrain_hw=(4, 4), fused='triton')
+    with pytest.raises(ValueError, match="core must be one of"):
+        PolaLinearAttention(16, 2, pretrain_hw=(4, 4), core='auto')
+    m = PolaLinearAttention(16, 2, pretrain_hw=(4, 4), core='triton')
     with pytest.raises(RuntimeError, match='forward-only'):
         m(torch.randn(1, 16, 16), (4, 4))  # training: a gradient is needed
 
@@ -66,7 +69,7 @@ def test_cuda_kernel_is_selected_and_matches(monkeypatch, dtype):
     m = PolaLinearAttention(h * d, h, pretrain_hw=(64, 64)).cuda().eval()
     x = torch.randn(B, N, h * d, device='cuda', generator=g)
     with torch.no_grad():
-        fast = m(x, (64, 64))
-        m.fused = False
+        fast = deploy.convert(m)(x, (64, 64))
+        deploy.revert(m).core = 'reference'
         ref = m(x, (64, 64))
     assert calls and ((fast - ref).abs().max() / ref.abs().max()).item() < 1e-5

@@ -448,11 +448,14 @@ def test_poly_sa_options_and_errors():
         m(torch.randn(1, 10, 8), (4, 4))
 
 
-def test_poly_sa_checkpoint_resize_keeps_the_function(tmp_path):
+@pytest.mark.parametrize('rescale_p2', [True, False])
+def test_poly_sa_checkpoint_resize_keeps_the_function(tmp_path, rescale_p2):
     """A Poly-DeiT saved at pretraining grid 4x4 loads into a model built for 6x6: p1/p2 are
-    resized (p2 keeping its mass) and the model computes what the original computes at 6x6."""
+    resized (p2 keeping its mass when rescale_p2, as the module does for another input size) and
+    the model computes what the original computes at 6x6."""
     arch = dict(embed_dims=16, depth=2, num_heads=2)
-    kw = dict(arch=arch, patch_size=8, attn_cfg=dict(type='PolySelfAttention'),
+    kw = dict(arch=arch, patch_size=8,
+              attn_cfg=dict(type='PolySelfAttention', rescale_p2=rescale_p2),
               out_type='cls_token', drop_path_rate=0.)
     src = LinAttnViT(pretrain_img_size=32, **kw)
     src.init_weights()
@@ -464,8 +467,11 @@ def test_poly_sa_checkpoint_resize_keeps_the_function(tmp_path):
     rep = dst.pretrained_load_report
     assert not rep.missing and not rep.unexpected
     assert {'blocks.0.attn.p1', 'blocks.0.attn.p2', 'pos_embed'} <= set(rep.resized)
-    assert 'scaled by 16/36' in rep.notes.get('blocks.0.attn.p2', '') or \
-        'scaled by 16/36' in str(rep.resized.get('blocks.0.attn.p2', ''))
+    if rescale_p2:
+        assert 'scaled by 16/36' in rep.notes.get('blocks.0.attn.p2', '') or \
+            'scaled by 16/36' in str(rep.resized.get('blocks.0.attn.p2', ''))
+    else:
+        assert 'scaled' not in rep.notes.get('blocks.0.attn.p2', '')
     x = torch.randn(2, 3, 48, 48)
     with torch.no_grad():
         torch.testing.assert_close(dst.eval()(x)[0], src.eval()(x)[0], rtol=1e-5, atol=1e-5)

@@ -11,6 +11,7 @@ import time
 import torch
 from conftest import CONFIGS, REPO, run_tool
 
+from linattn_mm.checkpoint import safe_globals
 from linattn_mm.demo import write_demo_config
 
 # A classifier on the demo ImageNet subset with no random augmentation, stochastic depth or
@@ -30,7 +31,8 @@ randomness = dict(seed=0, deterministic=True)
 
 
 def _weights(path):
-    sd = torch.load(path, map_location='cpu', weights_only=True)['state_dict']
+    with safe_globals():  # runner checkpoints hold mmengine HistoryBuffers
+        sd = torch.load(path, map_location='cpu', weights_only=True)['state_dict']
     return {k: v for k, v in sd.items() if v.is_floating_point()}
 
 

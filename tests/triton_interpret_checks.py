@@ -7,13 +7,15 @@ import sys
 
 import torch
 
+from linattn_mm import deploy
 from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d
-from linattn_mm.models.attentions.pola import PolaLinearAttention, polarity_attention
+from linattn_mm.models.attentions.pola import PolaLinearAttention
 from linattn_mm.models.backbones import LinAttnSwin
 from linattn_mm.models.backbones.nalaformer import NaLaFormer
-from linattn_mm.ops.nala_triton import nala_attention_triton
-from linattn_mm.ops.pola_triton import polarity_attention_triton
-from conftest import nala_reference_core
+from linattn_mm.ops.nala.triton import nala_attention_triton
+from linattn_mm.ops.pola.reference import polarity_attention_reference as polarity_attention
+from linattn_mm.ops.pola.triton import polarity_attention_triton
+from oracles.nala import nala_reference_core
 
 
 def rel(got, want):
@@ -22,17 +24,20 @@ def rel(got, want):
 
 
 def triton_vs_reference(net, mixer_cls, *inputs):
-    """Relative error of ``net`` with every ``mixer_cls`` on the Triton core (float32) against
-    the same net with the mixers' reference cores in float64 (the largest over tuple outputs)."""
+    """Relative error of ``net`` converted for CUDA (:func:`linattn_mm.deploy.convert`: every
+    ``mixer_cls`` on the Triton core, float32) against the same net with the mixers' reference
+    cores in float64 (the largest over tuple outputs)."""
     mixers = [m for m in net.modules() if isinstance(m, mixer_cls)]
     assert mixers
     with torch.no_grad():
         for m in mixers:
-            m.fused = False
+            m.core = 'reference'
         want = net.double()(*(t.double() if torch.is_tensor(t) else t for t in inputs))
         for m in mixers:
-            m.fused = 'triton'
-        got = net.float()(*inputs)
+            m.core = 'fast'
+        deploy.convert(net.float(), 'cuda')
+        assert all(m.core == 'triton' and isinstance(m, deploy.InferenceForm) for m in mixers)
+        got = net(*inputs)
     if torch.is_tensor(got):
         return rel(got, want)
     return max(rel(a, b) for a, b in zip(got, want))
@@ -59,7 +64,7 @@ def run_core(res):
         bias = 0.3 * torch.randn(1, h, n, d, generator=g) if pe else None
         q, k, v = q.to(dt), k.to(dt), v.to(dt)
         bias = bias.to(dt) if pe else None
-        out = polarity_attention_triton(q, k, v, p, 1e-6, inv_scale=1 / s if sc else None,
+        out = polarity_attention_triton(q, k, v, p, 1e-6, temperature=s if sc else None,
                                         k_bias=bias, out_dtype=torch.float32)
         assert out.shape == (B, h, N, d) and out.transpose(1, 2).is_contiguous()
         # reference: the official order of operations in float64 on the same (rounded) inputs
@@ -138,7 +143,7 @@ def run_nala(res):
     torch.manual_seed(0)
     net = NaLaFormer(arch=dict(embed_dims=[16, 32, 32, 32], depths=[1, 1, 1, 1],
                                num_heads=[1, 2, 2, 2], mlp_ratios=[2, 2, 2, 2]),
-                     attn_types=('nala', ) * 4).eval()
+                     attn_cfg=dict(type='NormAwareLinearAttention')).eval()
     res['NaLaFormer backbone'] = triton_vs_reference(net, NormAwareLinearAttention,
                                                      torch.randn(1, 3, 64, 96))
 

@@ -8,6 +8,12 @@
     # the Pola attention layer alone at N = H*W tokens
     python tools/benchmark.py --mode attention --grid 128x128 --heads 3 --head-dims 32 \\
         --impls fast official reference --compare official
+    # training steps (train mode, forward, loss, backward) of backbones against the stock ones,
+    # and of whole detectors / segmentors from configs with their real losses
+    python tools/benchmark.py --mode train pola-swin-t swin-t linattn-swin-t --sizes 800x1344 \
+        --compare swin-t
+    python tools/benchmark.py --mode train configs/swin/mask-rcnn_swin-t_fpn_1x_coco.py \
+        configs/polaformer/mask-rcnn_pola-swin-t_fpn_1x_coco.py --part model --sizes 800x1344
     # the attention core alone (q, k, v in, normalised streams out): time, memory traffic and
     # achieved bandwidth (on CUDA, as a fraction of the device's peak)
     python tools/benchmark.py --mode core --device cuda --dtype bf16 --grid 128x128 256x256 \\
@@ -21,26 +27,21 @@ pixels, with the fitted slope per target).
 Implementations of the Pola and NaLa mixers (``--impls``, every target is run with each one,
 same weights, same inputs, and outputs are compared with the first):
 
-* ``fast``: the plugin's default (``fused=None``: the Triton kernels
-  :mod:`linattn_mm.ops.pola_triton` / :mod:`linattn_mm.ops.nala_triton` in CUDA inference, else
-  the torch kernels).
-* ``torch``: the torch fast kernels :mod:`linattn_mm.ops.pola` / :mod:`linattn_mm.ops.nala`
-  everywhere (``fused=True``).
-* ``triton``: the Triton kernels (``fused='triton'``; CUDA only).
-* ``reference``: the plugin's reference core (``fused=False``).
+* ``fast``: the plugin's default for inference: the model converted by
+  :func:`linattn_mm.deploy.convert` (CPU: whole Pola / NaLa layers chunk by chunk, fused FFN, window
+  attention in groups, GEMM patch embedding, NaLaFormer's in-place blocks; CUDA: the Triton cores).
+* ``torch``: the unconverted model with the torch fast kernels :mod:`linattn_mm.ops.pola.fast` /
+  :mod:`linattn_mm.ops.nala.fast` (``core='fast'``, what training runs).
+* ``triton``: the model converted for CUDA (the Triton cores; CUDA only).
+* ``reference``: the unconverted model with the reference cores (``core='reference'``).
 * ``official``: a straightforward implementation of the official forward written in this file
-  from the pseudo-code of the official code (spec ``polaformer.md`` §1.2: two relu-pow per tensor,
-  two streams each with its own GEMMs and normalisers, ``n^-1/2`` rescaling, ``cat`` copies,
-  NCHW depth-wise conv); it is bound to every ``PolaLinearAttention`` of the model in place of
-  its ``forward``, so it uses the same weights.
+  from the pseudo-code of the official code (two relu-pow per tensor, two streams each with its
+  own GEMMs and normalisers, ``n^-1/2`` rescaling, ``cat`` copies, NCHW depth-wise conv); it is
+  bound to every ``PolaLinearAttention`` of the unconverted model in place of its ``forward``, so
+  it uses the same weights (NaLa mixers run their reference core).
 
-The transformer blocks' FFN half ``x + mlp(norm2(x))`` follows the implementation too: ``fast``,
-``torch`` and ``triton`` leave it automatic (``TransformerBlock.fused_ffn = None``: the chunked
-in-place kernel :mod:`linattn_mm.ops.ffn` in inference), ``reference`` and ``official`` run the
-plain form of the official code (``fc2(act(fc1(norm2(x))))`` plus the residual; ``fused_ffn =
-False``). ``--ffn plain`` keeps the plain form for every implementation, so that the mixers alone
-are compared. Likewise ``reference`` and ``official`` embed patches with the strided conv
-(``PatchEmbed.patchify = False``) instead of the plugin's GEMM form.
+``--ffn plain`` keeps the blocks of the converted implementations unconverted (plain FFN), so
+that the mixers alone are compared.
 
 ``--compare BASELINE`` (a target name or an implementation name, measured in the same run) prints
 time ratios ``baseline / this`` (> 1: faster than the baseline) per size.
@@ -74,10 +75,11 @@ import torch
 import torch.nn.functional as F
 
 import linattn_mm  # noqa: F401
+from linattn_mm import deploy
 from linattn_mm.flops import dummy_inputs
 from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d
 from linattn_mm.models.attentions.pola import PolaLinearAttention
-from linattn_mm.models.utils.layers import PatchEmbed, TransformerBlock
+from linattn_mm.models.utils.layers import TransformerBlock
 from linattn_mm.models.backbones.nalaformer import NaLaBlock
 from linattn_mm.utils import PeakMemoryCounter, use_heap_allocator
 from linattn_mm.utils.progress import emit, progress_bar
@@ -110,13 +112,15 @@ BACKBONES = {
                      'LinAttnPVT-T with global softmax attention in every stage (quadratic)'),
     'nalaformer-t': (dict(type='NaLaFormer', arch='t'),
                      'NaLaFormer-T (linear NaLa stages 1-2, global softmax stages 3-4)'),
-    'nalaformer-t-linear': (dict(type='NaLaFormer', arch='t', attn_types=('nala', ) * 4),
+    'nalaformer-t-linear': (dict(type='NaLaFormer', arch='t',
+                                 attn_cfg=dict(type='NormAwareLinearAttention')),
                             'NaLaFormer-T with NaLa linear attention in all four stages'),
 }
 
 POLA_IMPLS = ('fast', 'torch', 'triton', 'reference', 'official')
-#: ``PolaLinearAttention.fused`` of each plugin implementation
-FUSED = {'fast': None, 'torch': True, 'triton': 'triton', 'reference': False}
+#: the mixers' ``core`` under each implementation (``fast`` / ``triton`` then convert the model)
+CORE = {'fast': 'fast', 'torch': 'fast', 'triton': 'fast', 'reference': 'reference',
+        'official': 'reference'}
 #: peak memory bandwidth (GB/s) by device name (first match; PCIe before the SXM default)
 PEAK_BW = (('H100 PCIe', 2000.), ('H100 NVL', 3900.), ('H100', 3350.), ('H200', 4800.),
            ('A100-SXM4-80GB', 2039.), ('A100', 1555.))
@@ -192,25 +196,37 @@ def nala_modules(model):
     return [m for m in model.modules() if isinstance(m, NormAwareLinearAttention)]
 
 
-def set_impl(model, impl, ffn='auto'):
-    """Switch every Pola and NaLa mixer of ``model`` to ``impl`` (see the module docstring). NaLa
-    has one fast core (``fast``, ``torch`` and ``triton`` select it) and its reference core is the
-    official order of operations (``reference`` and ``official`` select it). The transformer
-    blocks' FFN half is fused for the plugin's fast implementations unless ``ffn='plain'``."""
-    plain_ffn = ffn == 'plain' or impl in ('reference', 'official')
-    for m in model.modules():
-        if isinstance(m, (TransformerBlock, NaLaBlock)):
-            m.fused_ffn = False if plain_ffn else None
-        elif isinstance(m, PatchEmbed):  # the official strided conv for official / reference
-            m.patchify = False if impl in ('reference', 'official') else None
+def set_impl(model, impl, ffn='auto', device=None, train=False):
+    """Give ``model`` the implementation ``impl`` (see the module docstring), undoing the previous
+    one: ``fast`` and ``triton`` convert the model (:func:`linattn_mm.deploy.convert`, for CPU or
+    CUDA), ``torch`` and ``reference`` leave it unconverted with the mixers' ``core`` set to
+    ``'fast'`` / ``'reference'``, ``official`` binds the official Pola forward (NaLa mixers: their
+    reference core). ``ffn='plain'`` keeps the blocks unconverted (the mixers alone differ). For
+    training (``train``) nothing is converted: ``fast`` is the default training form."""
+    if train:
+        if impl == 'triton':
+            raise ValueError('--impls triton is forward-only: not for --mode train')
+        impl = 'torch' if impl == 'fast' else impl
+    deploy.revert(model)
     for m in pola_modules(model):
         m.__dict__.pop('forward', None)
-        if impl == 'official':
+    for m in model.modules():
+        if isinstance(m, (PolaLinearAttention, NormAwareLinearAttention)) and \
+                getattr(m, 'kernel', 'official') == 'official':
+            m.core = CORE[impl]
+    if impl == 'official':
+        for m in pola_modules(model):
             m.forward = types.MethodType(official_pola_forward, m)
-        else:
-            m.fused = FUSED[impl]
-    for m in nala_modules(model):
-        m.fused = False if impl in ('reference', 'official') else FUSED[impl]
+    if impl in ('fast', 'triton'):
+        dev = device or next(model.parameters()).device
+        if impl == 'triton' and torch.device(dev).type != 'cuda':
+            raise ValueError('--impls triton needs --device cuda')
+        deploy.convert(model, dev)
+        if ffn == 'plain':
+            for m in model.modules():
+                if isinstance(m, deploy.InferenceForm) and m.base_class in (TransformerBlock,
+                                                                            NaLaBlock):
+                    m.__class__ = m.base_class
 
 
 # ------------------------------------------------------------------------------------------------
@@ -223,8 +239,24 @@ def parse_size(s):
     return int(s), int(s)
 
 
+def _compare_spec(spec):
+    """``'BASE'`` -> (None, BASE); ``'TARGET:BASE'`` -> (TARGET, BASE); the ``::`` of a stock
+    config name (``mmdet::swin/...``) is not a separator."""
+    import re
+    seps = [m.start() for m in re.finditer(r'(?<!:):(?!:)', spec)]
+    if not seps or osp.exists(spec):
+        return None, spec
+    return spec[:seps[-1]], spec[seps[-1] + 1:]
+
+
 def _load_cfg(path):
+    """A config file, or a stock OpenMMLab config named ``'mmdet::swin/...py'`` (the config folder
+    shipped inside the installed package)."""
     from mmengine.config import Config
+    if '::' in path and not osp.exists(path):
+        from mmengine.utils import get_installed_path
+        package, rel = path.split('::', 1)
+        path = osp.join(get_installed_path(package), '.mim', 'configs', rel)
     return Config.fromfile(path)
 
 
@@ -314,6 +346,34 @@ def _runner(fn, device, autocast_dtype):
     return run
 
 
+def _train_runner(fn, device, autocast_dtype):
+    """A training step: ``fn`` runs the forward and returns the loss, which is backpropagated."""
+    def run():
+        with torch.autocast(device.type, dtype=autocast_dtype,
+                            enabled=autocast_dtype is not None):
+            loss = fn()
+        loss.backward()
+        return loss.detach()
+    run.train = True
+    return run
+
+
+def train_step(model, inputs):
+    """The loss of one training step of a backbone (``sum(mean(out^2))`` of its outputs), the
+    gradients of the previous step cleared first."""
+    model.zero_grad(set_to_none=True)
+    outs = model(inputs)
+    return sum(o.float().square().mean() for o in outs)
+
+
+def model_train_step(model, inputs, samples):
+    """The summed losses of one training step of a whole model on a synthetic batch."""
+    model.zero_grad(set_to_none=True)
+    losses = model(inputs, [s.clone() for s in samples], mode='loss')
+    loss, _ = model.parse_losses(losses)
+    return loss
+
+
 def peak_memory(run, device):
     """Peak bytes allocated by one forward and how they were measured."""
     gc.collect()
@@ -339,7 +399,8 @@ def measure_interleaved(variants, device, warmup, repeats, autocast_dtype):
     Returns:
         dict: name -> (median s, times, output of the memory run, peak bytes, method).
     """
-    runs = [(name, act, _runner(fn, device, autocast_dtype)) for name, act, fn in variants]
+    runs = [(name, act, fn if getattr(fn, 'train', False) else _runner(fn, device, autocast_dtype))
+            for name, act, fn in variants]
     for _, act, run in runs:
         act()
         for _ in range(warmup):
@@ -370,8 +431,10 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('targets', nargs='*', help='backbone names (--list) or config files; '
                    'unused in --mode attention')
-    p.add_argument('--mode', choices=['backbone', 'model', 'attention', 'core'],
+    p.add_argument('--mode', choices=['backbone', 'model', 'attention', 'core', 'train'],
                    default='backbone')
+    p.add_argument('--part', choices=['backbone', 'model'], default='backbone',
+                   help='--mode train: a config target trains its backbone or its whole model')
     p.add_argument('--list', action='store_true', help='list the built-in backbones and exit')
     p.add_argument('--device', default='cpu', help='cpu | cuda | cuda:N')
     p.add_argument('--dtype', choices=['fp32', 'bf16', 'fp16'], default='fp32',
@@ -467,7 +530,30 @@ def main(argv=None):
         if not args.targets:
             raise SystemExit('give at least one target (a backbone name or a config file)')
         for t in args.targets:
-            if args.mode == 'backbone':
+            train_model = args.mode == 'train' and args.part == 'model' and t not in BACKBONES
+            if args.mode == 'train' and not train_model:
+                def call_train_bb(m, hw):
+                    x = torch.randn(args.batch, 3, *hw, device=device)
+                    return _train_runner(lambda: train_step(m, x), device, ac)
+                jobs.append((t, lambda t=t: build_backbone(t), call_train_bb))
+            elif train_model:
+                def build_train_m(t=t):
+                    from linattn_mm.apis import build_model
+                    cfg = _load_cfg(t)
+                    model = build_model(cfg, pretrained_backbone=False)
+                    model.linattn_bench = cfg
+                    return model
+
+                def call_train_m(model, hw):
+                    from linattn_mm.utils.synthetic import training_batch
+                    inputs, samples = training_batch(model.linattn_bench, hw, args.batch,
+                                                     args.seed)
+                    inputs = inputs.to(device)
+                    samples = [s.to(device) for s in samples]
+                    return _train_runner(lambda: model_train_step(model, inputs, samples),
+                                         device, ac)
+                jobs.append((t, build_train_m, call_train_m))
+            elif args.mode == 'backbone':
                 def call_bb(m, hw):
                     x = torch.randn(args.batch, 3, *hw, device=device)
                     return lambda: m(x)
@@ -498,7 +584,8 @@ def main(argv=None):
         if bar is not None:
             bar.set_postfix_str(f'building {name}')
         model = build().to(device)
-        model.eval()  # (some mmdet backbones' train() returns None)
+        # (some mmdet backbones' train() returns None: no chaining)
+        model.train() if args.mode == 'train' else model.eval()
         _randomise_pola(model, args.seed)
         has_mixers = bool(pola_modules(model) or nala_modules(model))
         impls = args.impls if has_mixers else ['-']
@@ -509,7 +596,8 @@ def main(argv=None):
             torch.manual_seed(args.seed + 1)
             fn_base = call(model, hw)
             variants = [(impl, (lambda impl=impl, model=model: set_impl(
-                model, 'fast' if impl == '-' else impl, args.ffn)), fn_base) for impl in impls]
+                model, 'fast' if impl == '-' else impl, args.ffn, train=args.mode == 'train')),
+                fn_base) for impl in impls]
             try:
                 meas = measure_interleaved(variants, device, args.warmup, args.repeats, ac)
             except (RuntimeError, MemoryError) as e:  # e.g. out of memory
@@ -540,7 +628,7 @@ def main(argv=None):
             if bar is not None:
                 bar.update()
         if has_mixers:
-            set_impl(model, 'fast')
+            set_impl(model, 'fast', train=args.mode == 'train')
         del model
         gc.collect()
         if device.type == 'cuda':
@@ -549,9 +637,9 @@ def main(argv=None):
         bar.close()
 
     for spec in args.compare or []:
-        only, base_name = (spec.rsplit(':', 1) if ':' in spec and not osp.exists(spec)
-                           else (None, spec))
-        print(f'\n# time ratios: {base_name} / this (> 1 means faster than {base_name})')
+        only, base_name = _compare_spec(spec)
+        print(f'\n# time ratios: {base_name} / this (> 1 means faster than {base_name}); peak '
+              f'memory ratios: this / {base_name} (< 1 means leaner)')
         for r in results:
             if only is not None and r['target'] != only:
                 continue
@@ -560,9 +648,13 @@ def main(argv=None):
                 or (b['impl'] == base_name and b['target'] == r['target']))]
             if base and r['target'] != base_name and r['impl'] != base_name:
                 ratio = base[0]['latency_ms'] / r['latency_ms']
+                mem = r['peak_mem_mb'] / max(base[0]['peak_mem_mb'], 1e-9)
                 r['speedup_vs_' + base_name] = ratio
+                r['memory_ratio_vs_' + base_name] = mem
                 print(f'{r["target"]:28s} {r["impl"]:9s} {r["size"][0]}x{r["size"][1]}: '
-                      f'{ratio:.2f}x  ({base[0]["latency_ms"]:.1f} / {r["latency_ms"]:.1f} ms)')
+                      f'{ratio:.2f}x  ({base[0]["latency_ms"]:.1f} / {r["latency_ms"]:.1f} ms); '
+                      f'memory {mem:.2f}x ({r["peak_mem_mb"]:.0f} / '
+                      f'{base[0]["peak_mem_mb"]:.0f} MB)')
 
     # scaling summary
     by = {}
@@ -594,40 +686,29 @@ def main(argv=None):
 CORE_IMPLS = ('triton', 'torch', 'reference')
 
 
+#: ``--mode core`` implementation -> the core name of :mod:`linattn_mm.ops`
+CORE_NAMES = {'triton': 'triton', 'torch': 'fast', 'reference': 'reference'}
+
+
+def _core_name(impl):
+    if impl not in CORE_NAMES:
+        raise SystemExit(f'--mode core: unknown implementation {impl!r}; choose from {CORE_IMPLS}')
+    return CORE_NAMES[impl]
+
+
 def nala_core_function(impl, q, k, v, sin, cos, eps=1e-6):
     """One call of the NaLa attention core (official kernel, lam = 3, 2-D RoPE) for ``impl``."""
-    from linattn_mm.ops import nala_attention_fast, nala_attention_triton
-    if impl == 'triton':
-        return lambda: nala_attention_triton(q, k, v, 3., eps, sin, cos)
-    work = torch.promote_types(q.dtype, torch.float32)
-    if impl == 'torch':
-        return lambda: nala_attention_fast(q.to(work), k.to(work), v.to(work), 3., eps, sin, cos)
-    if impl == 'reference':
-        m = NormAwareLinearAttention(q.shape[1] * q.shape[-1], q.shape[1], eps=eps, fused=False)
-
-        def reference():  # the module's reference core: features, normaliser, RoPE, then kv
-            qq, kk, vv = q.to(work), k.to(work), v.to(work)
-            phi_q, phi_k, z = m._numerator_features(qq, kk, None, (sin, cos))
-            n = kk.shape[-2]
-            return (phi_q @ ((phi_k.transpose(-2, -1) * n ** -0.5) @ (vv * n ** -0.5))) * z
-        return reference
-    raise SystemExit(f'--mode core: unknown implementation {impl!r}; choose from {CORE_IMPLS}')
+    from linattn_mm.ops.nala import nala_attention
+    core = _core_name(impl)
+    return lambda: nala_attention(q, k, v, 3., eps, sin, cos, core=core)
 
 
 def core_function(impl, q, k, v, p, inv_s, pe, eps=1e-6):
-    """One call of the Pola attention core as the module makes it for ``impl``."""
-    from linattn_mm.models.attentions.pola import polarity_attention
-    from linattn_mm.ops import polarity_attention_fast, polarity_attention_triton
-    if impl == 'triton':  # reads the inputs in their dtype, float32 inside
-        return lambda: polarity_attention_triton(q, k, v, p, eps, inv_scale=inv_s, k_bias=pe)
-    work = torch.promote_types(q.dtype, torch.float32)  # the modules' float32 feature maps
-    if impl == 'torch':
-        return lambda: polarity_attention_fast(q.to(work), k.to(work), v.to(work), p, eps,
-                                               inv_scale=inv_s, k_bias=pe)
-    if impl == 'reference':
-        return lambda: polarity_attention(q.to(work) * inv_s, (k.to(work) + pe) * inv_s,
-                                          v.to(work), p, eps)
-    raise SystemExit(f'--mode core: unknown implementation {impl!r}; choose from {CORE_IMPLS}')
+    """One call of the Pola attention core as the module makes it for ``impl`` (torch cores in
+    float32, the Triton core reading the inputs in their dtype)."""
+    from linattn_mm.ops.pola import polarity_attention
+    core = _core_name(impl)
+    return lambda: polarity_attention(q, k, v, p, eps, 1 / inv_s, pe, core=core)
 
 
 def device_peak_bw(device, given=None):

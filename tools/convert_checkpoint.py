@@ -42,7 +42,7 @@ def main(argv=None):
     if args.model:
         if bar is not None:
             bar.set_postfix_str(f'building {args.model}')
-        model = linattn_mm.get_model(args.model, backbone=dict(init_cfg=None))
+        model = linattn_mm.get_model(args.model, backbone=dict(init_cfg=None), convert=False)
         target = getattr(model, 'backbone', model)
         if bar is not None:
             bar.update()

@@ -76,7 +76,7 @@ MIXERS = {
 # softmax skeletons that are a linear family's own config with the attention swapped: name ->
 # (family whose config is used, backbone overrides)
 SOFTMAX_VARIANTS = {
-    'nalaformer-softmax': ('nalaformer', dict(attn_types='softmax')),
+    'nalaformer-softmax': ('nalaformer', dict(attn_cfg=dict(type='NaLaSoftmaxAttention'))),
     'setformer-softmax': ('setformer', dict(attn_cfg=dict(_delete_=True,
                                                           type='GlobalSoftmaxAttention'))),
 }

@@ -2,7 +2,11 @@
 
     python tools/test.py CONFIG CHECKPOINT [--work-dir DIR] [--out FILE] [--show-dir DIR]
                          [--cfg-options k=v ...] [--launcher none|pytorch|slurm|mpi] [--tta]
-                         [--demo]
+                         [--no-convert] [--demo]
+
+The model's blocks and mixers run their inference forms (:func:`linattn_mm.deploy.convert`: same
+outputs, faster); ``--no-convert`` keeps the plain forms. ``--demo`` runs CONFIG on the generated
+demo data (``linattn_mm.demo``).
 
 The metrics are logged by the evaluator and printed as one JSON line starting with
 ``linattn_mm metrics:``.
@@ -12,8 +16,10 @@ import json
 import numbers
 
 import linattn_mm  # noqa: F401
+from linattn_mm.checkpoint import safe_globals
 from linattn_mm.cli import (add_common_args, apply_launcher_defaults, build_runner,
                             close_process_group, load_config, parse_with_common)
+from linattn_mm.deploy import convert
 
 
 def parse_args(argv=None):
@@ -25,6 +31,8 @@ def parse_args(argv=None):
     p.add_argument('--show-dir', help='save drawn predictions under work_dir/timestamp/DIR')
     p.add_argument('--tta', action='store_true', help='test-time augmentation (tta_model and '
                    'tta_pipeline of the config)')
+    p.add_argument('--no-convert', action='store_true', help='run the plain forms of the blocks '
+                   'and mixers instead of their inference forms (linattn_mm.deploy.convert)')
     return parse_with_common(add_common_args(p), argv)
 
 
@@ -54,8 +62,13 @@ def main(argv=None):
             cfg.test_evaluator = evaluators + [dict(type='DumpResults', out_file_path=args.out)]
     apply_launcher_defaults(cfg)
     runner = build_runner(cfg)
+    if not args.no_convert:
+        # in place, before the checkpoint is loaded: the inference forms keep no copy of a weight
+        # (their caches follow in-place loads), so the loaded weights are the ones that run
+        convert(runner.model)
     try:
-        metrics = runner.test()
+        with safe_globals():  # mmengine checkpoints hold HistoryBuffers and numpy values
+            metrics = runner.test()
     except BaseException:
         close_process_group(wait=False)
         raise

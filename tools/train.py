@@ -8,7 +8,8 @@ Same flags as the stock OpenMMLab ``tools/train.py``:
 """
 import argparse
 
-import linattn_mm  # noqa: F401  (registers the backbones, allow-lists safe checkpoint objects)
+import linattn_mm  # noqa: F401  (registers the backbones)
+from linattn_mm.checkpoint import safe_globals
 from linattn_mm.cli import (add_common_args, apply_launcher_defaults, build_runner,
                             close_process_group, find_resume_checkpoint, load_config,
                             parse_with_common)
@@ -57,7 +58,8 @@ def main(argv=None):
     apply_launcher_defaults(cfg)
     runner = build_runner(cfg)
     try:
-        runner.train()
+        with safe_globals():  # --resume / load_from: mmengine checkpoints hold HistoryBuffers
+            runner.train()
     except BaseException:
         close_process_group(wait=False)
         raise

@@ -147,7 +147,8 @@ def analyse_model(name, checkpoint, image, point, entropy_queries, seed=0):
     key_grid, map (n_grid,), entropy, normalized_entropy, entropy_queries)."""
     from linattn_mm.apis import get_model
     torch.manual_seed(seed)
-    model = get_model(name, pretrained=None if checkpoint in (None, 'none') else checkpoint)
+    model = get_model(name, pretrained=None if checkpoint in (None, 'none') else checkpoint,
+                      convert=False)
     backbone = getattr(model, 'backbone', model)
     mixers = dict(find_mixers(backbone))
     if not mixers:

@@ -1,5 +1,5 @@
 # deit-t ImageNet-1k classifier (DeiT recipe: AdamW lr 1e-3 / 1024, 300 epochs).
-_base_ = ['mmpretrain::deit/deit-tiny_4xb256_in1k.py']
+_base_ = ['mmpretrain::deit/deit-tiny_4xb256_in1k.py', '../_base_/safe_checkpoints.py']
 custom_imports = dict(imports=['linattn_mm'], allow_failed_imports=False)
 model = dict(
     backbone=dict(

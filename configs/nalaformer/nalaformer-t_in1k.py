@@ -5,7 +5,7 @@
 # The backbone holds the official classifier (proj 1024 -> BN -> SiLU -> pool -> 1x1 conv head) and
 # returns logits (mmpretrain ClsHead), so official files ({'model', 'model_ema'}) load unchanged:
 #     linattn_mm.get_model('nalaformer-t_in1k', pretrained='nalaformer_t.pth')
-_base_ = ['mmpretrain::swin_transformer/swin-tiny_16xb64_in1k.py']
+_base_ = ['mmpretrain::swin_transformer/swin-tiny_16xb64_in1k.py', '../_base_/safe_checkpoints.py']
 custom_imports = dict(imports=['linattn_mm'], allow_failed_imports=False)
 model = dict(
     backbone=dict(
@@ -25,4 +25,5 @@ model = dict(
 train_dataloader = dict(sampler=dict(type='RepeatAugSampler', shuffle=True))
 optim_wrapper = dict(clip_grad=None)
 train_cfg = dict(max_epochs=320)
-custom_hooks = [dict(type='EMAHook', momentum=4e-5, priority='ABOVE_NORMAL')]
+custom_hooks = [dict(type='EMAHook', momentum=4e-5, priority='ABOVE_NORMAL'),
+                dict(type='linattn_mm.SafeGlobalsHook')]  # see ../_base_/safe_checkpoints.py

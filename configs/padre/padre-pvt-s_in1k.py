@@ -4,7 +4,7 @@
 # position embeddings are kept (resized to the input). Recipe: the Swin/PVT one (AdamW lr 1e-3 at
 # batch 1024, wd 0.05, 300 epochs, DeiT-style augmentation); global average pooling of the last
 # stage. No paper result; to be trained and reported by the team.
-_base_ = ['mmpretrain::swin_transformer/swin-tiny_16xb64_in1k.py']
+_base_ = ['mmpretrain::swin_transformer/swin-tiny_16xb64_in1k.py', '../_base_/safe_checkpoints.py']
 custom_imports = dict(imports=['linattn_mm'], allow_failed_imports=False)
 model = dict(
     backbone=dict(

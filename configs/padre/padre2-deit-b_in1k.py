@@ -16,3 +16,7 @@ model = dict(
         out_type='cls_token',
     ),
     head=dict(in_channels=768))
+# the stock EMA hook, and the allow-list of ../_base_/safe_checkpoints.py (a second base cannot
+# set custom_hooks next to the stock file's)
+custom_hooks = [dict(type='EMAHook', momentum=4e-5, priority='ABOVE_NORMAL'),
+                dict(type='linattn_mm.SafeGlobalsHook')]

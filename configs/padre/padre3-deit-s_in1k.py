@@ -4,7 +4,7 @@
 # PADReMixer cls_mode='pool', a plugin choice: the paper does not say) and DeiT's absolute position
 # embedding is kept. Recipe: the stock DeiT 300-epoch one without distillation (paper §4.2).
 # Paper, Table 2: 80.5 top-1, 6.1 GFLOPs, 26M params. No released weights.
-_base_ = ['mmpretrain::deit/deit-small_4xb256_in1k.py']
+_base_ = ['mmpretrain::deit/deit-small_4xb256_in1k.py', '../_base_/safe_checkpoints.py']
 custom_imports = dict(imports=['linattn_mm'], allow_failed_imports=False)
 model = dict(
     backbone=dict(

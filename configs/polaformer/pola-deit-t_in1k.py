@@ -4,7 +4,7 @@
 # absolute pos_embed, and only this matches the paper's 6.1M parameters; no official Pola-DeiT code
 # was released). Recipe: the stock DeiT one (AdamW lr 1e-3 at batch 1024, wd 0.05, 300 epochs,
 # DeiT augmentation). 6.19M params, 74.6 top-1 (paper, Table 1).
-_base_ = ['mmpretrain::deit/deit-tiny_4xb256_in1k.py']
+_base_ = ['mmpretrain::deit/deit-tiny_4xb256_in1k.py', '../_base_/safe_checkpoints.py']
 custom_imports = dict(imports=['linattn_mm'], allow_failed_imports=False)
 model = dict(
     backbone=dict(

@@ -4,7 +4,7 @@
 # epochs, DeiT-style augmentation (RandAugment, mixup 0.8, cutmix 1.0, label smoothing 0.1,
 # random erasing). Classification readout as in the official model: mean of the last stage's
 # tokens (no final norm) -> linear head. 12.92M params (with head), 78.8 top-1 (paper).
-_base_ = ['mmpretrain::swin_transformer/swin-tiny_16xb64_in1k.py']
+_base_ = ['mmpretrain::swin_transformer/swin-tiny_16xb64_in1k.py', '../_base_/safe_checkpoints.py']
 custom_imports = dict(imports=['linattn_mm'], allow_failed_imports=False)
 model = dict(
     backbone=dict(

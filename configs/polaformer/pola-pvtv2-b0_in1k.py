@@ -4,7 +4,7 @@
 # absolute position embedding, and only this choice matches the paper's 3.4M / 13M parameters for
 # b0 / b1; no official Pola-PVTv2 code was released). Same recipe as pola-pvt-t.
 # 3.40M params, 72.3 top-1 (paper).
-_base_ = ['mmpretrain::swin_transformer/swin-tiny_16xb64_in1k.py']
+_base_ = ['mmpretrain::swin_transformer/swin-tiny_16xb64_in1k.py', '../_base_/safe_checkpoints.py']
 custom_imports = dict(imports=['linattn_mm'], allow_failed_imports=False)
 model = dict(
     backbone=dict(

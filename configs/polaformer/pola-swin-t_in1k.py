@@ -5,7 +5,7 @@
 # exactly at the classification resolution. Recipe: the stock Swin one (AdamW lr 1e-3 at batch
 # 1024, wd 0.05, 300 epochs, 20 warm-up epochs, clip 5, DeiT-style augmentation).
 # 29.29M params, 82.6 top-1 (paper).
-_base_ = ['mmpretrain::swin_transformer/swin-tiny_16xb64_in1k.py']
+_base_ = ['mmpretrain::swin_transformer/swin-tiny_16xb64_in1k.py', '../_base_/safe_checkpoints.py']
 custom_imports = dict(imports=['linattn_mm'], allow_failed_imports=False)
 pola_attn = dict(type='PolaLinearAttention', qkv_layout='qkvg', alpha=4, kernel_size=5)
 model = dict(

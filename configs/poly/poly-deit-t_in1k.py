@@ -3,7 +3,7 @@
 # 14x14 grid plus the class token). Recipe: the stock DeiT 300-epoch one (paper §5.2.2: "each
 # model's public recipe"). Paper, Table 3 ("DeiT Small", 5.4M params, i.e. the Tiny size): 71.48
 # top-1 (softmax DeiT 72.16). No released weights.
-_base_ = ['mmpretrain::deit/deit-tiny_4xb256_in1k.py']
+_base_ = ['mmpretrain::deit/deit-tiny_4xb256_in1k.py', '../_base_/safe_checkpoints.py']
 custom_imports = dict(imports=['linattn_mm'], allow_failed_imports=False)
 model = dict(
     backbone=dict(

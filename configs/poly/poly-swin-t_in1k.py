@@ -3,7 +3,7 @@
 # relative-position tables), LayerNorm sigma, 3x3 depth-wise projection. Recipe: the stock Swin one
 # (AdamW lr 1e-3 at batch 1024, wd 0.05, 300 epochs). Paper, Table 3: 26.1M params, 80.66 top-1
 # (Swin-T 81.28). No released weights.
-_base_ = ['mmpretrain::swin_transformer/swin-tiny_16xb64_in1k.py']
+_base_ = ['mmpretrain::swin_transformer/swin-tiny_16xb64_in1k.py', '../_base_/safe_checkpoints.py']
 custom_imports = dict(imports=['linattn_mm'], allow_failed_imports=False)
 model = dict(
     backbone=dict(

@@ -7,7 +7,7 @@
 # drop path 0.2 from NAT-T, the paper gives none), global SeT attention in every block.
 # Paper: 22.3M params, 4.1G FLOPs, 83.9 top-1. This model: 26.64M parameters (22.71M without the
 # 3.94M learnable references; refs_learnable=False makes them K-means buffers).
-_base_ = ['mmpretrain::swin_transformer/swin-tiny_16xb64_in1k.py']
+_base_ = ['mmpretrain::swin_transformer/swin-tiny_16xb64_in1k.py', '../_base_/safe_checkpoints.py']
 custom_imports = dict(imports=['linattn_mm'], allow_failed_imports=False)
 set_attn = dict(type='SeTAttention', num_refs=500, eps=0.1, tau=0.5, num_iters=30)
 model = dict(

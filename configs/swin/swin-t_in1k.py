@@ -1,5 +1,5 @@
 # swin-t ImageNet-1k classifier (Swin recipe: AdamW lr 1e-3 / 1024, 300 epochs, mixup + cutmix).
-_base_ = ['mmpretrain::swin_transformer/swin-tiny_16xb64_in1k.py']
+_base_ = ['mmpretrain::swin_transformer/swin-tiny_16xb64_in1k.py', '../_base_/safe_checkpoints.py']
 custom_imports = dict(imports=['linattn_mm'], allow_failed_imports=False)
 model = dict(
     backbone=dict(

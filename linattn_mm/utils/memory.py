@@ -10,8 +10,9 @@ allocator, of time and of other processes, which makes it suited to tests of mem
 
 Counted: storages created inside the context (including autograd-saved tensors and gradients when
 ``backward`` runs inside it). Not counted: tensors that existed before entering (parameters, the
-inputs), allocator fragmentation, and temporaries internal to one ATen kernel (e.g. the workspace
-of a fused kernel) that never surface as op outputs.
+inputs) and views of them made inside (such as the ``weight.t()`` of every linear layer),
+allocator fragmentation, and temporaries internal to one ATen kernel (e.g. the workspace of a
+fused kernel) that never surface as op outputs.
 
 Example::
 
@@ -54,15 +55,22 @@ class PeakMemoryCounter(TorchDispatchMode):
         if entry is not None:
             self.live_bytes -= entry[1]
 
-    def _track(self, t):
+    @staticmethod
+    def _storage(t):
         if not isinstance(t, torch.Tensor) or t.device.type == 'meta':
-            return
+            return None
         try:
-            st = t.untyped_storage()
+            return t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # e.g. sparse or wrapper tensors
+            return None
+
+    def _track(self, t, input_storages):
+        st = self._storage(t)
+        if st is None:
             return
         key = id(st)
-        if key in self._refs:
+        if key in self._refs or key in input_storages:
+            # already counted, or a view / in-place result of a tensor from before the context
             return
         nbytes = st.nbytes()
         self._refs[key] = (weakref.ref(st, lambda _, k=key: self._release(k)), nbytes)
@@ -70,9 +78,12 @@ class PeakMemoryCounter(TorchDispatchMode):
         self.num_allocations += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        inputs = {id(st) for st in map(self._storage, tree_flatten((args, kwargs))[0])
+                  if st is not None}
+        out = func(*args, **kwargs)
         for t in tree_flatten(out)[0]:
-            self._track(t)
+            self._track(t, inputs)
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
         return out

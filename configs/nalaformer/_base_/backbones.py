@@ -1,6 +1,7 @@
 # Backbones of the detection / segmentation configs in this folder, one `<name>_backbone`
 # each (used as `backbone={{_base_.<name>_backbone}}`). Point a config at another checkpoint with
 # --cfg-options model.backbone.init_cfg.checkpoint=FILE.
+_base_ = ['../../_base_/safe_checkpoints.py']  # runner checkpoints load with the stock tools too
 
 # ImageNet-1k NaLaFormer-S weights. There are no public ones: train nalaformer-s_in1k (or
 # place an official-format file, {'model': ..., 'model_ema': ...}, here; EMA weights are preferred).

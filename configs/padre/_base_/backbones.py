@@ -4,6 +4,7 @@
 # PADRe-Swin-T / PADRe-PVT-T are plugin designs (the paper has no hierarchical backbone): degree-2
 # PADRe mixers in every stage (a list of 4 configs chooses per stage); any input size works (no
 # windows, no size-dependent tensors).
+_base_ = ['../../_base_/safe_checkpoints.py']  # runner checkpoints load with the stock tools too
 
 padre_pvt_t_pretrained = 'checkpoints/padre_pvt-t.pth'  # ImageNet-1k weights from configs/padre/padre-pvt-t_in1k.py (no released PADRe weights): put the file here
 padre_pvt_t_backbone = dict(

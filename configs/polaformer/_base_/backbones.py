@@ -1,6 +1,7 @@
 # Backbones of the detection / segmentation configs in this folder, one `<name>_backbone`
 # each (used as `backbone={{_base_.<name>_backbone}}`). Point a config at another checkpoint with
 # --cfg-options model.backbone.init_cfg.checkpoint=FILE.
+_base_ = ['../../_base_/safe_checkpoints.py']  # runner checkpoints load with the stock tools too
 
 pola_pvt_s_pretrained = 'checkpoints/pola_pvt_s.pth'  # official ImageNet-1k Pola weights (HuggingFace ZachMeng/PolaFormer; no URL verified): put the file here
 pola_pvt_s_backbone = dict(

@@ -1,6 +1,7 @@
 # Backbones of the detection / segmentation configs in this folder, one `<name>_backbone` each
 # (used as `backbone={{_base_.<name>_backbone}}`). Point a config at another checkpoint with
 # --cfg-options model.backbone.init_cfg.checkpoint=FILE.
+_base_ = ['../../_base_/safe_checkpoints.py']  # runner checkpoints load with the stock tools too
 
 # ResNet-50 + one Poly-NL block (reduction 4) right before the last residual block of res4, the
 # paper's COCO network (§5.1.3). The ResNet weights are the stock ImageNet ones (torchvision

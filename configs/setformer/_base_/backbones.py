@@ -5,6 +5,7 @@
 # tau=0.8; ADE20K m=800, eps=0.3, tau=0.8 (ImageNet: m=500, eps=0.1, tau=0.5). The ImageNet
 # checkpoint has m=500 references per block: on loading, they are adapted to 750 / 800 (source
 # references plus perturbed copies, reported in the load report; see resize_refs).
+_base_ = ['../../_base_/safe_checkpoints.py']  # runner checkpoints load with the stock tools too
 
 # ImageNet-1k SeTformer-T weights. There are no public ones (no official code): train
 # configs/setformer/setformer-t_in1k.py and put the file here.

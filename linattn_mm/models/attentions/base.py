@@ -98,6 +98,13 @@ def merge_heads(t):
     return t.transpose(1, 2).reshape(B, N, h * d)
 
 
+#: options of earlier versions -> what replaces them (named in the error of a config using them)
+RENAMED_OPTIONS = {
+    'fused': "core ('fast', 'reference' or 'triton'); the inference forms of whole layers come "
+             'from linattn_mm.deploy.convert(model)',
+}
+
+
 def _init_params(cls):
     sig = inspect.signature(cls.__init__)
     names = []
@@ -130,8 +137,10 @@ def build_attention(cfg, **context):
     names, var_kw = _init_params(cls)
     unknown = [k for k in cfg if k not in names]
     if unknown and not var_kw:
+        hints = ''.join(f"; '{k}' is now {RENAMED_OPTIONS[k]}" for k in unknown
+                        if k in RENAMED_OPTIONS)
         raise TypeError(f'{cls.__name__} got unknown option(s) {unknown}; valid options: '
-                        f'{", ".join(n for n in names if n not in ("init_cfg",))}')
+                        f'{", ".join(n for n in names if n not in ("init_cfg",))}{hints}')
     if context.get('num_extra_tokens') and (
             'num_extra_tokens' not in names or not getattr(cls, 'supports_extra_tokens', True)):
         raise ValueError(f'{cls.__name__} does not support extra (class) tokens, but the skeleton '

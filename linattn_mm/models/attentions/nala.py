@@ -36,48 +36,32 @@ Paper vs. official code, and what this module does:
 4. **Zero-norm query.** The code divides by ``||q||`` without an epsilon (NaN for ``q = 0``); here
    the divisor is clamped at ``1e-12`` (``d(0) = 0``: the token's output is its LePE/gate term).
 
-Fast path: by default (``fused=None``) the official kernel runs
-:func:`linattn_mm.ops.nala.nala_attention_fast` (one ``exp`` per query element for the power, the
-RoPE rotation folded into the small (4d, d) matrices, ``1/N`` folded); it equals the reference
-(``fused=False``, the official order of operations) up to float rounding, gradients included.
-On CUDA in inference (no gradient needed) ``fused=None`` runs the Triton kernel
-:func:`linattn_mm.ops.nala_triton.nala_attention_triton` instead (features in registers, float32
-accumulation, output written once); if that call fails, a warning names the error and the torch
-kernel runs for the rest of the process.
+Kernels: the core (feature maps, RoPE, normaliser, the two small GEMMs) runs through
+:func:`linattn_mm.ops.nala.nala_attention`, chosen once by ``core``: ``'fast'`` (the torch kernel
+of the official kernel with the training Function of :mod:`linattn_mm.ops.nala.autograd`; the
+default, for both kernels), ``'reference'`` (plain autograd of the official order of operations and
+of the paper's kernel, :mod:`linattn_mm.ops.nala.reference`) or ``'triton'`` (CUDA inference).
+The inference forms of the whole layer come from :func:`linattn_mm.deploy.convert`.
 
 Precision: everything between the ``qkvg`` projection and ``out_proj`` (LePE, kernel, matmuls,
 LayerNorm and gate) runs in float32 with autocast disabled, as the official code (``k^3`` and the
 powers overflow fp16); float64 inputs are computed in float64.
 """
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from linattn_mm.ops.common import call_triton, cpu_inference_call, use_triton
-from linattn_mm.ops.nala import nala_attention_fast, nala_layer_chunked
+from linattn_mm.ops.common import core_dtype, no_autocast
+from linattn_mm.ops.dispatch import check_core
+from linattn_mm.ops.lean_layers import DepthwiseConvTokens, NormGatedLinear
+from linattn_mm.ops.nala import (KERNELS, apply_rope, nala_attention, nala_feature_maps,
+                                 nala_weights_reference)
 from linattn_mm.registry import ATTENTIONS
 from .base import BaseTokenMixer
-from ..utils.grid import nlc_to_nchw
+from ..utils.grid import nchw_to_nlc, nlc_to_nchw
 
-__all__ = ['RoPE2d', 'apply_rope', 'NormAwareLinearAttention', 'NaLaSoftmaxAttention']
-
-
-def _rotate_every_two(x):
-    """Pairs ``(x[2i], x[2i+1]) -> (-x[2i+1], x[2i])`` along the last dim."""
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((-x2, x1), dim=-1).flatten(-2)
-
-
-def apply_rope(x, sin, cos):
-    """Rotate consecutive channel pairs of ``x`` (..., N, D) by the angles in ``sin``/``cos``
-    (N, d); ``D`` may be a multiple of ``d`` (the same rotation is applied to each chunk of ``d``
-    channels, e.g. the two halves of NaLa's 2d features)."""
-    rep = x.shape[-1] // sin.shape[-1]
-    if rep != 1:
-        sin, cos = sin.repeat(1, rep), cos.repeat(1, rep)
-    return x * cos + _rotate_every_two(x) * sin
+__all__ = ['RoPE2d', 'apply_rope', 'NaLaMixerBase', 'NormAwareLinearAttention',
+           'NaLaSoftmaxAttention']
 
 
 class RoPE2d(nn.Module):
@@ -117,17 +101,10 @@ class RoPE2d(nn.Module):
         return f'head_dims={self.head_dims}'
 
 
-def _core_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _no_autocast(device):
-    return torch.autocast(device_type=device.type, enabled=False)
-
-
-class _NaLaBlockMixin(BaseTokenMixer):
-    """Shared parameters of NaLaFormer's attention blocks (keys ``qkvg``, ``lepe``, ``ln``,
-    ``out_proj``) and the gated output."""
+class NaLaMixerBase(BaseTokenMixer):
+    """Base class of NaLaFormer's two attention mixers: the shared parameters (keys ``qkvg``,
+    ``lepe``, ``ln``, ``out_proj``), the projection with the LePE term and the gated output
+    ``out_proj(LN(out + LePE(v)) * SiLU(g))``."""
     supports_extra_tokens = False
 
     def _build_common(self, embed_dims, qkv_bias, lepe_kernel_size, proj_drop, use_rope,
@@ -160,21 +137,24 @@ class _NaLaBlockMixin(BaseTokenMixer):
         nn.init.zeros_(self.ln.bias)
 
     def _project(self, x, hw_shape):
-        """Tokens -> q, k, v (B, h, N, d), g (B, N, C) and LePE(v) (B, N, C) in the core dtype."""
+        """Tokens -> q, k, v (B, h, N, d), g (B, N, C) and LePE(v) (B, N, C) in the core dtype
+        (float32; float64 stays), the LePE conv with autocast off."""
         B, N, C = x.shape
-        H, W = hw_shape
         h, d = self.num_heads, self.head_dims
-        qkvg = self.qkvg(x).to(_core_dtype(x.dtype)).view(B, N, 4, C)
-        q, k, v, g = qkvg.unbind(2)
-        with _no_autocast(x.device):
-            lepe = F.conv2d(nlc_to_nchw(v, (H, W)),
-                            self.lepe.weight.to(v.dtype),
-                            None if self.lepe.bias is None else self.lepe.bias.to(v.dtype),
-                            1, self.lepe.padding, 1, C).flatten(2).transpose(1, 2)
+        q, k, v, g = self.qkvg(x).to(core_dtype(x)).view(B, N, 4, C).unbind(2)
+        with no_autocast(x.device):
+            w = self.lepe.weight.to(v.dtype)
+            b = None if self.lepe.bias is None else self.lepe.bias.to(v.dtype)
+            if self.core != 'reference':
+                lepe = DepthwiseConvTokens.apply(v, tuple(hw_shape), w, b, self.lepe.padding)
+            else:
+                lepe = nchw_to_nlc(F.conv2d(nlc_to_nchw(v, hw_shape), w, b, 1,
+                                            self.lepe.padding, 1, C))
         q, k, v = (t.reshape(B, N, h, d).transpose(1, 2) for t in (q, k, v))
         return q, k, v, g, lepe
 
     def _rope(self, hw_shape, rope, dtype, device):
+        """``(sin, cos)`` of the RoPE (the stage's shared one, or this mixer's own), or Nones."""
         if not self.use_rope:
             return None, None
         if rope is None:
@@ -182,24 +162,30 @@ class _NaLaBlockMixin(BaseTokenMixer):
         sin, cos = rope
         return sin.to(device=device, dtype=dtype), cos.to(device=device, dtype=dtype)
 
-    def _gate(self, out, lepe, g):
-        """(B, h, N, d) core output -> ``LN(out + lepe) * SiLU(g)`` (B, N, C), in the core
-        dtype."""
+    def gated_output(self, out, lepe, g):
+        """``out_proj(LN(out + lepe) * SiLU(g))`` of the (B, h, N, d) core output: LN and gate in
+        the core dtype with autocast off, ``out_proj`` under the caller's autocast. With
+        ``core='reference'`` step by step; otherwise :class:`~linattn_mm.ops.lean_layers.
+        NormGatedLinear`, which keeps ``out + lepe`` and ``g`` only for backward."""
         B, h, N, d = out.shape
-        out = out.transpose(1, 2).reshape(B, N, h * d) + lepe
-        out = F.layer_norm(out, (h * d, ), self.ln.weight.to(out.dtype), self.ln.bias.to(out.dtype),
-                           self.ln.eps)
-        return out * self.act(g)
-
-    def _output(self, y):
-        """``out_proj`` (autocast applies here again) and dropout."""
+        s = out.transpose(1, 2).reshape(B, N, h * d) + lepe
+        ln = self.ln
+        if self.core != 'reference' and type(self.act) is nn.SiLU:
+            if not torch.is_autocast_enabled(s.device.type):
+                s, g = s.to(self.out_proj.weight.dtype), g.to(self.out_proj.weight.dtype)
+            return self.proj_drop(NormGatedLinear.apply(
+                s, ln.weight.to(s.dtype), ln.bias.to(s.dtype), ln.eps, g, self.out_proj.weight,
+                self.out_proj.bias))
+        with no_autocast(s.device):
+            y = F.layer_norm(s, (h * d, ), ln.weight.to(s.dtype), ln.bias.to(s.dtype), ln.eps)
+            y = y * self.act(g)
         if not torch.is_autocast_enabled(y.device.type):
             y = y.to(self.out_proj.weight.dtype)
         return self.proj_drop(self.out_proj(y))
 
 
 @ATTENTIONS.register_module()
-class NormAwareLinearAttention(_NaLaBlockMixin):
+class NormAwareLinearAttention(NaLaMixerBase):
     """Norm-aware linear attention (NaLa) of NaLaFormer.
 
     A global, linear-complexity token mixer on an ``H x W`` grid: the query direction is raised to a
@@ -222,18 +208,12 @@ class NormAwareLinearAttention(_NaLaBlockMixin):
         eps (float): added to the denominator. Defaults to 1e-6.
         qkv_bias (bool): bias of the ``qkvg`` projection. Defaults to True.
         proj_drop (float): dropout after ``out_proj``. Defaults to 0.
-        fused (bool | str | None): which core for ``kernel='official'``. ``None`` (default):
-            automatic, the Triton kernel for CUDA inference, else the torch fast kernel.
-            ``True``: the torch fast kernel :func:`linattn_mm.ops.nala.nala_attention_fast`
-            (one ``exp`` per query element for the power, RoPE folded into the small matrices;
-            equal to the reference up to float rounding, gradients included); in CPU inference
-            (eval, no gradient, float32 / float64, no autocast) the whole layer then runs as
-            :func:`linattn_mm.ops.nala.nala_layer_chunked`, a few thousand tokens at a time.
-            ``'triton'``:
-            the Triton kernel always (forward only; CUDA, or CPU under
-            ``TRITON_INTERPRET=1``). ``False``: the reference (``feature_maps`` +
-            ``apply_rope`` in the official order of operations). ``kernel='paper'`` always
-            runs the reference.
+        core (str): the attention core, :func:`linattn_mm.ops.nala.nala_attention`: ``'fast'``
+            (default: the training Function, whose backward recomputes the feature maps; equal to
+            the reference up to float rounding, gradients included), ``'reference'`` (plain
+            autograd of the official order of operations; the test oracle) or ``'triton'``
+            (forward-only CUDA kernel of the official kernel, set by
+            :func:`linattn_mm.deploy.convert` for CUDA inference).
         init_cfg (dict, optional): mmengine init config.
 
     ``forward(x, hw_shape, rope=None)`` takes tokens ``(B, H*W, C)``; ``rope`` optionally passes a
@@ -242,114 +222,33 @@ class NormAwareLinearAttention(_NaLaBlockMixin):
 
     def __init__(self, embed_dims, num_heads, kernel='official', power=3., use_rope=True,
                  rope_base=10000., lepe_kernel_size=5, eps=1e-6, qkv_bias=True, proj_drop=0.,
-                 fused=None, init_cfg=None):
+                 core='fast', init_cfg=None):
         super().__init__(embed_dims, num_heads, 0, init_cfg)
-        if kernel not in ('official', 'paper'):
-            raise ValueError(f"kernel must be 'official' or 'paper', got {kernel!r}")
+        name = type(self).__name__
+        if kernel not in KERNELS:
+            raise ValueError(f'{name}: kernel must be one of {KERNELS}, got {kernel!r}')
         if power <= 0:
-            raise ValueError(f'power must be positive, got {power}')
-        if fused not in (None, True, False, 'triton'):
-            raise ValueError(f"fused must be None, True, False or 'triton', got {fused!r}")
-        if fused == 'triton' and kernel != 'official':
-            raise ValueError(f"fused='triton' runs the official kernel; kernel={kernel!r} has no "
-                             f'Triton core')
+            raise ValueError(f'{name}: power must be positive, got {power}')
+        self.core = check_core(name, core)
+        if kernel != 'official' and core == 'triton':
+            raise ValueError(f"{name}: kernel={kernel!r} has no Triton core")
         self.kernel = kernel
         self.power = float(power)
         self.eps = float(eps)
-        self.fused = fused
         self._build_common(embed_dims, qkv_bias, lepe_kernel_size, proj_drop, use_rope, rope_base)
 
     def feature_maps(self, q, k):
         """Non-negative feature maps ``(phi_q, phi_k)``, each ``(..., N, 2d)``, of per-head
-        ``q``, ``k`` ``(..., N, d)``."""
-        lam = self.power
-        qn = torch.linalg.vector_norm(q, dim=-1, keepdim=True)
-        dq = q / qn.clamp_min(1e-12)  # d(q); d(0) = 0 instead of the code's NaN
-        p = lam * (0.5 + torch.tanh(qn))
-        if self.kernel == 'official':
-            k = k.abs().pow(lam) * k.sign()  # k ** lam with the sign kept (= k**3 for lam = 3)
-            phi_q = torch.cat([F.relu(dq).pow(p), F.relu(-dq).pow(p)], -1)
-            phi_k = torch.cat([F.relu(k), F.relu(-k)], -1)
-        else:
-            kn = torch.linalg.vector_norm(k, dim=-1, keepdim=True)
-            dk = k / kn.clamp_min(1e-12)
-            aq = (math.pi / 4) * torch.tanh(dq)
-            ak = (math.pi / 4) * torch.tanh(dk)
-            mq = dq.abs().pow(p)
-            mk = k.abs().pow(lam)
-            phi_q = torch.cat([mq * torch.cos(aq), mq * torch.sin(aq)], -1)
-            phi_k = torch.cat([mk * torch.cos(ak), mk * torch.sin(ak)], -1)
-        return phi_q, phi_k
-
-    @property
-    def use_fast_path(self):
-        """True when the fast core runs (``fused`` not False, official kernel)."""
-        return self.fused is not False and self.kernel == 'official'
-
-    def _numerator_features(self, q, k, hw_shape, rope):
-        """RoPE-rotated feature maps ``(R phi_q, R phi_k)`` and the normaliser
-        ``z = 1 / (phi_q . mean_j phi_k + eps)`` (B, h, N, 1) of the unrotated maps."""
-        phi_q, phi_k = self.feature_maps(q, k)
-        z = 1.0 / (phi_q @ phi_k.mean(dim=-2, keepdim=True).transpose(-2, -1) + self.eps)
-        sin, cos = self._rope(hw_shape, rope, q.dtype, q.device)
-        if sin is not None:
-            phi_q, phi_k = apply_rope(phi_q, sin, cos), apply_rope(phi_k, sin, cos)
-        return phi_q, phi_k, z
-
-    def _use_chunked_layer(self, x):
-        """Whether this call runs the whole layer chunk by chunk (see ``fused``)."""
-        return (self.use_fast_path and self.fused in (None, True)
-                and x.dtype in (torch.float32, torch.float64) and type(self.act) is nn.SiLU
-                and cpu_inference_call(self, x))
-
-    def _forward_chunked(self, x, hw_shape, rope):
-        B, N, C = x.shape
-        H, W = hw_shape
-        w, b = self.qkvg.weight, self.qkvg.bias
-        bq, bkv, bg = (None, ) * 3 if b is None else (b[:C], b[C:3 * C], b[3 * C:])
-        sin, cos = self._rope(hw_shape, rope, x.dtype, x.device)
-
-        def lepe(v):  # (B, N, C) is channels-last NCHW as it is: no copy on either side
-            out = F.conv2d(v.view(B, H, W, C).permute(0, 3, 1, 2), self.lepe.weight,
-                           self.lepe.bias, 1, self.lepe.padding, 1, C)
-            return out.flatten(2).transpose(1, 2)
-        out = nala_layer_chunked(
-            x, w[:C], bq, w[C:3 * C], bkv, w[3 * C:], bg, lepe, self.ln.weight, self.ln.bias,
-            self.ln.eps, self.out_proj.weight, self.out_proj.bias, self.power, self.eps, sin, cos,
-            self.num_heads)
-        return self.proj_drop(out)
+        ``q``, ``k`` ``(..., N, d)`` (:func:`linattn_mm.ops.nala.nala_feature_maps`)."""
+        return nala_feature_maps(q, k, self.power, self.kernel)
 
     def forward(self, x, hw_shape, rope=None):
         self.check_input(x, hw_shape)
-        if self._use_chunked_layer(x):
-            return self._forward_chunked(x, tuple(hw_shape), rope)
         q, k, v, g, lepe = self._project(x, hw_shape)
-        with _no_autocast(x.device):
-            if self.use_fast_path:
-                sin, cos = self._rope(hw_shape, rope, q.dtype, q.device)
-                out = self._triton_core(q, k, v, sin, cos)
-                if out is None:
-                    out = nala_attention_fast(q, k, v, self.power, self.eps, sin, cos)
-            else:
-                N = q.shape[-2]
-                phi_q, phi_k, z = self._numerator_features(q, k, hw_shape, rope)
-                kv = (phi_k.transpose(-2, -1) * N ** -0.5) @ (v * N ** -0.5)  # (B, h, 2d, d)
-                out = (phi_q @ kv) * z
-            y = self._gate(out, lepe, g)
-        return self._output(y)
-
-    def _use_triton(self, q, k, v):
-        """Whether this call runs the Triton core (see ``fused``)."""
-        return use_triton(type(self).__name__, self.fused, (q, k, v))
-
-    def _triton_core(self, q, k, v, sin, cos):
-        """The Triton core's output, or None when the torch kernel is to run (not selected, or
-        an automatically selected call failed: see :func:`~linattn_mm.ops.common.call_triton`)."""
-        if not self._use_triton(q, k, v):
-            return None
-        from linattn_mm.ops import nala_triton
-        return call_triton(type(self).__name__, self.fused, nala_triton.nala_attention_triton,
-                           q, k, v, self.power, self.eps, sin, cos)
+        sin, cos = self._rope(hw_shape, rope, q.dtype, q.device)
+        with no_autocast(x.device):
+            out = nala_attention(q, k, v, self.power, self.eps, sin, cos, self.kernel, self.core)
+        return self.gated_output(out, lepe, g)
 
     has_attention_weights = True
 
@@ -359,18 +258,18 @@ class NormAwareLinearAttention(_NaLaBlockMixin):
         (official), so entries can be negative and rows need not sum to 1."""
         self.check_input(x, hw_shape)
         q, k, _, _, _ = self._project(x, hw_shape)
-        with _no_autocast(x.device):
-            phi_q, phi_k, z = self._numerator_features(q, k, hw_shape, rope)
-            weights = (phi_q @ phi_k.transpose(-2, -1)) / q.shape[-2] * z
+        sin, cos = self._rope(hw_shape, rope, q.dtype, q.device)
+        with no_autocast(x.device):
+            weights = nala_weights_reference(q, k, self.power, self.eps, sin, cos, self.kernel)
         return dict(weights=weights, key_hw=tuple(hw_shape))
 
     def extra_repr(self):
         return (f'embed_dims={self.embed_dims}, num_heads={self.num_heads}, kernel={self.kernel}, '
-                f'power={self.power}, use_rope={self.use_rope}')
+                f'power={self.power}, use_rope={self.use_rope}, core={self.core}')
 
 
 @ATTENTIONS.register_module()
-class NaLaSoftmaxAttention(_NaLaBlockMixin):
+class NaLaSoftmaxAttention(NaLaMixerBase):
     """Global softmax attention of the released NaLaFormer hierarchy (its stages 3-4).
 
     Same parameters as :class:`NormAwareLinearAttention` (``qkvg``, ``lepe``, ``ln``,
@@ -389,12 +288,17 @@ class NaLaSoftmaxAttention(_NaLaBlockMixin):
         attn_drop (float): dropout on the attention weights (training only). Defaults to 0.
         qkv_bias (bool): bias of the ``qkvg`` projection. Defaults to True.
         proj_drop (float): dropout after ``out_proj``. Defaults to 0.
+        core (str): ``'fast'`` (default: the gated output through
+            :class:`~linattn_mm.ops.lean_layers.NormGatedLinear`) or ``'reference'`` (plain
+            autograd step by step).
         init_cfg (dict, optional): mmengine init config.
     """
 
     def __init__(self, embed_dims, num_heads, use_rope=True, rope_base=10000., lepe_kernel_size=5,
-                 qk_scale=None, attn_drop=0., qkv_bias=True, proj_drop=0., init_cfg=None):
+                 qk_scale=None, attn_drop=0., qkv_bias=True, proj_drop=0., core='fast',
+                 init_cfg=None):
         super().__init__(embed_dims, num_heads, 0, init_cfg)
+        self.core = check_core(type(self).__name__, core, ('fast', 'reference'))
         self.scale = qk_scale or self.head_dims ** -0.5
         self.attn_drop = attn_drop
         self._build_common(embed_dims, qkv_bias, lepe_kernel_size, proj_drop, use_rope, rope_base)
@@ -411,7 +315,7 @@ class NaLaSoftmaxAttention(_NaLaBlockMixin):
     def attention_weights(self, x, hw_shape, rope=None):
         self.check_input(x, hw_shape)
         q, k, _, _, _ = self._project(x, hw_shape)
-        with _no_autocast(x.device):
+        with no_autocast(x.device):
             q, k = self._rotate(q, k, hw_shape, rope)
             weights = (q @ k.transpose(-2, -1) * self.scale).softmax(-1)
         return dict(weights=weights, key_hw=tuple(hw_shape))
@@ -419,9 +323,8 @@ class NaLaSoftmaxAttention(_NaLaBlockMixin):
     def forward(self, x, hw_shape, rope=None):
         self.check_input(x, hw_shape)
         q, k, v, g, lepe = self._project(x, hw_shape)
-        with _no_autocast(x.device):
+        with no_autocast(x.device):
             q, k = self._rotate(q, k, hw_shape, rope)
             out = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=self.attn_drop if self.training else 0., scale=self.scale)
-            y = self._gate(out, lepe, g)
-        return self._output(y)
+        return self.gated_output(out, lepe, g)

@@ -54,6 +54,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from linattn_mm.ops.dispatch import check_core
+from linattn_mm.ops.lean_layers import recomputed
 from linattn_mm.registry import ATTENTIONS
 from .base import BaseTokenMixer, run_in_fp32
 from ..utils.grid import nlc_to_nchw
@@ -107,6 +109,9 @@ class PADReMixer(BaseTokenMixer):
             has one: the degree-0 term). Default True.
         num_extra_tokens (int): class tokens before the grid. Default 0.
         proj_drop (float): dropout after the output projection. Default 0.
+        core (str): ``'fast'`` (default: the training form, which keeps only the mixer's input for
+            backward and runs the mixer once more in the backward, :func:`linattn_mm.ops.
+            lean_layers.recomputed`; the same gradients) or ``'reference'`` (plain autograd).
         init_cfg (dict, optional): mmengine init config.
     """
     DEGREES = (2, 3, 4)
@@ -116,7 +121,7 @@ class PADReMixer(BaseTokenMixer):
 
     def __init__(self, embed_dims, num_heads=1, degree=2, kernel_size=11, token_mixing='2d',
                  norm=None, fp32=True, cls_mode='pool', bias=True, num_extra_tokens=0,
-                 proj_drop=0., init_cfg=None):
+                 proj_drop=0., core='fast', init_cfg=None):
         super().__init__(embed_dims, 1, num_extra_tokens=num_extra_tokens, init_cfg=init_cfg)
         self.skeleton_num_heads = num_heads
         if degree not in self.DEGREES:
@@ -131,6 +136,7 @@ class PADReMixer(BaseTokenMixer):
                              f'got {token_mixing!r}')
         if kernel_size % 2 != 1:
             raise ValueError(f'PADReMixer: kernel_size must be odd, got {kernel_size}')
+        self.core = check_core('PADReMixer', core, ('fast', 'reference'))
         C = embed_dims
         self.degree = degree
         self.kernel_size = kernel_size
@@ -191,6 +197,11 @@ class PADReMixer(BaseTokenMixer):
 
         Returns: Tensor (B, N, C) (float32 under autocast when ``fp32``)."""
         self.check_input(x, hw_shape)
+        if self.core == 'fast':
+            return recomputed(self._mix, x, tuple(hw_shape))
+        return self._mix(x, hw_shape)
+
+    def _mix(self, x, hw_shape):
         return run_in_fp32(self._forward, x, hw_shape, enabled=self.fp32)
 
     def _forward(self, x, hw_shape):

@@ -35,6 +35,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from linattn_mm.ops.dispatch import check_core
+from linattn_mm.ops.lean_layers import recomputed
 from linattn_mm.registry import ATTENTIONS, register_backbone
 from ..utils.grid import nlc_to_nchw, resize_grid_embed
 from .base import BaseTokenMixer, merge_heads, run_in_fp32, split_heads
@@ -242,6 +244,9 @@ class PolySelfAttention(BaseTokenMixer):
         proj_drop (float): dropout after the projection.
         fp32 (bool): under autocast, run the pooling and products in float32 (a sum over all
             tokens of products can leave the float16 range). Default True.
+        core (str): ``'fast'`` (default: the training form, which keeps only the mixer's input for
+            backward and runs the mixer once more in the backward, :func:`linattn_mm.ops.
+            lean_layers.recomputed`; the same gradients) or ``'reference'`` (plain autograd).
     """
     SIGMAS = ('layernorm', 'softmax', 'sigmoid', 'identity')
     PROJS = ('dwconv', 'linear')
@@ -250,7 +255,7 @@ class PolySelfAttention(BaseTokenMixer):
     def __init__(self, embed_dims, num_heads, sigma='layernorm', proj='dwconv', p_init='mean',
                  rescale_p2=True, window_size=None, shift='alternate', spatial_reduction=True,
                  sr_ratio=1, pretrain_hw=(14, 14), block_idx=0, num_extra_tokens=0,
-                 qkv_bias=True, proj_drop=0., fp32=True, init_cfg=None):
+                 qkv_bias=True, proj_drop=0., fp32=True, core='fast', init_cfg=None):
         super().__init__(embed_dims, num_heads, num_extra_tokens, init_cfg)
         name = type(self).__name__
         for arg, val, valid in (('sigma', sigma, self.SIGMAS), ('proj', proj, self.PROJS),
@@ -262,6 +267,7 @@ class PolySelfAttention(BaseTokenMixer):
         if window_size is not None and (num_extra_tokens or (sr_ratio > 1 and spatial_reduction)):
             raise ValueError(f'{name}: window_size is for Swin-style grids; it cannot be combined '
                              f'with class tokens or spatial reduction (sr_ratio={sr_ratio})')
+        self.core = check_core(name, core, ('fast', 'reference'))
         self.sigma = sigma
         self.proj_type = proj
         self.p_init = p_init
@@ -312,6 +318,24 @@ class PolySelfAttention(BaseTokenMixer):
         super().init_weights()
         self.reset_tables()
 
+    def resize_checkpoint_tensor(self, name, src):
+        """``p1`` / ``p2`` of a checkpoint from another pretraining grid (or window): resized like
+        a position embedding (class rows kept, grid bicubic). With ``rescale_p2`` the grid part of
+        ``p2`` is also scaled by (checkpoint positions / model positions), keeping its sum, as
+        :meth:`_table` does for an input of another size. Other names: not resized."""
+        if name not in ('p1', 'p2'):
+            return None
+        from linattn_mm.checkpoint.resize import resize_grid_tokens, split_grid_tokens
+        dst_shape = getattr(self, name).shape
+        out, note = resize_grid_tokens(name, src, dst_shape, max_extra=1)
+        n_src = split_grid_tokens(name, src.shape[-2], 1, 'checkpoint')[1] ** 2
+        e_dst, side = split_grid_tokens(name, dst_shape[-2], 1, 'model')
+        if name == 'p2' and self.rescale_p2 and n_src != side * side:
+            out = out.clone()
+            out[..., e_dst:, :] *= n_src / (side * side)
+            note = '; '.join(n for n in (note, f'grid part scaled by {n_src}/{side * side}') if n)
+        return out, note
+
     def _table(self, table, src_hw, dst_hw, rescale):
         """(1, e + grid, h) table for the actual grid -> (h, e + n)."""
         e = self.num_extra_tokens
@@ -351,6 +375,11 @@ class PolySelfAttention(BaseTokenMixer):
         """x: (B, N, C) with N = num_extra_tokens + H*W; returns (B, N, C) (float32 under autocast
         when ``fp32``)."""
         self.check_input(x, hw_shape)
+        if self.core == 'fast':
+            return recomputed(self._mix, x, tuple(hw_shape))
+        return self._mix(x, hw_shape)
+
+    def _mix(self, x, hw_shape):
         if self.window_size:
             q, k, v = self._qkv_windows(x, hw_shape)
         else:

@@ -5,13 +5,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from linattn_mm.ops.common import cpu_inference_call, linear_into
 from linattn_mm.registry import ATTENTIONS
 from .base import BaseTokenMixer, merge_heads, split_heads
 from ..utils.grid import nlc_to_nchw
-
-#: tokens per group of windows in the grouped CPU inference form of the window attention
-WINDOW_GROUP_TOKENS = 4096
 
 
 @ATTENTIONS.register_module()
@@ -118,15 +114,10 @@ class WindowSoftmaxAttention(BaseTokenMixer):
         block_idx (int): index of the block in its stage (given by the skeleton).
         qkv_bias (bool), qk_scale (float, optional), attn_drop, proj_drop: as in Swin.
 
-    In CPU inference (eval, no gradient needed, no autocast) the windows are processed
-    :data:`WINDOW_GROUP_TOKENS` tokens at a time (``qkv``, attention and ``proj`` of one group
-    while it is in cache, written into one output buffer), instead of making the (B·nW, n, 3C)
-    projection, the per-window bias for every window and the attention output whole. Same
-    operations per window; the result equals the plain form up to float rounding. Attribute
-    ``grouped`` (default None, automatic): ``False`` keeps the plain form.
+    The CPU inference form of :func:`linattn_mm.deploy.convert` runs a few thousand tokens of
+    windows at a time.
     """
     supports_extra_tokens = False
-    grouped = None
 
     def __init__(self, embed_dims, num_heads, window_size=7, shift='alternate', block_idx=0,
                  qkv_bias=True, qk_scale=None, attn_drop=0., proj_drop=0., init_cfg=None):
@@ -152,6 +143,14 @@ class WindowSoftmaxAttention(BaseTokenMixer):
         n = self.window_size ** 2
         bias = self.relative_position_bias_table[self.relative_position_index.view(-1)]
         return bias.view(n, n, -1).permute(2, 0, 1).contiguous()  # (h, n, n)
+
+    def resize_checkpoint_tensor(self, name, src):
+        """A checkpoint's ``relative_position_bias_table`` from another window size: each head's
+        table resized bicubically. Other names: not resized."""
+        if name != 'relative_position_bias_table':
+            return None
+        from linattn_mm.checkpoint.resize import resize_relative_position_table
+        return resize_relative_position_table(name, src, self.relative_position_bias_table.shape)
 
     def _geometry(self, hw_shape):
         """(shift, padded H, padded W) of an H×W grid."""
@@ -212,54 +211,23 @@ class WindowSoftmaxAttention(BaseTokenMixer):
                 + torch.arange(W, device=x.device)[None, :])[:H].reshape(-1)
         return dict(weights=full[:, :, keep][:, :, :, keep], key_hw=(H, W))
 
-    def _use_grouped(self, x):
-        """Whether this call runs the grouped CPU inference form (see the class docstring)."""
-        return self.grouped is not False and cpu_inference_call(self, x)
-
-    def _grouped(self, x, hw_shape):
-        """Inference: windows (B·nW, n, C) of the shifted, padded grid -> attention outputs after
-        ``proj``, group by group."""
-        B, N, C = x.shape
-        ws, h, d = self.window_size, self.num_heads, self.head_dims
-        s, Hp, Wp = self._geometry(hw_shape)
-        windows = self._window_tokens(x, hw_shape)  # (B*nW, n, C)
-        num, n = windows.shape[:2]
-        bias = self.relative_position_bias().to(x.dtype)[None]  # (1, h, n, n)
-        mask = shift_window_mask(Hp, Wp, ws, s, x.device).to(x.dtype) if s else None
-        nW = num // B
-        out = torch.empty_like(windows)
-        group = max(1, WINDOW_GROUP_TOKENS // n)
-        for g0 in range(0, num, group):
-            m = min(group, num - g0)
-            qkv = self.qkv(windows[g0:g0 + m].reshape(m * n, C))
-            q, k, v = qkv.view(m, n, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)  # (m, h, n, d)
-            attn_bias = bias
-            if mask is not None:  # window g has the mask of its position g % nW in the image
-                idx = torch.arange(g0, g0 + m, device=x.device) % nW
-                attn_bias = bias + mask[idx][:, None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, scale=self.scale)
-            linear_into(o.transpose(1, 2).reshape(m * n, C), self.proj.weight, self.proj.bias,
-                        out[g0:g0 + m].view(m * n, C))
-        return out
-
     def forward(self, x, hw_shape):
         self.check_input(x, hw_shape)
-        B, N, C = x.shape
+        q, k, v, bias = self._windows(x, hw_shape)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=bias, dropout_p=self.attn_drop if self.training else 0.,
+            scale=self.scale)
+        return self.unwindow(self.proj_drop(self.proj(merge_heads(out))), hw_shape)
+
+    def unwindow(self, out, hw_shape):
+        """Window outputs (B*nW, n, C) back to tokens (B, H*W, C): reverse the partition and the
+        shift, crop the padding."""
         H, W = hw_shape
-        ws = self.window_size
         s, Hp, Wp = self._geometry(hw_shape)
-        if self._use_grouped(x):
-            out = self.proj_drop(self._grouped(x, hw_shape))
-        else:
-            q, k, v, bias = self._windows(x, hw_shape)
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=bias, dropout_p=self.attn_drop if self.training else 0.,
-                scale=self.scale)
-            out = self.proj_drop(self.proj(merge_heads(out)))
-        x = window_reverse(out, ws, Hp, Wp)
+        x = window_reverse(out, self.window_size, Hp, Wp)
         if s:
             x = torch.roll(x, shifts=(s, s), dims=(1, 2))
-        return x[:, :H, :W, :].reshape(B, H * W, C)
+        return x[:, :H, :W, :].reshape(x.shape[0], H * W, x.shape[-1])
 
 
 @ATTENTIONS.register_module()

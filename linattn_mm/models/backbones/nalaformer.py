@@ -6,28 +6,25 @@ Module names equal the official ones (``patch_embed.proj.{0..10}``, ``layers.{i}
 ``layers.{i}.downsample.{reduction,norm}``, ``proj``, ``norm``, ``head``), so official files
 (``{'model': ..., 'model_ema': ...}``) load without renaming.
 """
-import copy
-
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint as cp
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from linattn_mm.ops.common import cpu_inference_call, fast_form_selected, inference_call
-from linattn_mm.ops.ffn import channels_last_map, conv_ffn_residual_
+from linattn_mm.ops.dispatch import check_core
+from linattn_mm.ops.ffn import conv_ffn_branch
 from linattn_mm.registry import register_backbone
 from ..attentions.base import build_attention
-from ..attentions.nala import RoPE2d
-from ..utils.layers import DropPath, build_bn, nlc_to_nchw
+from ..attentions.nala import NaLaMixerBase, RoPE2d
+from ..utils.layers import DropPath, build_bn, nchw_to_nlc, nlc_to_nchw
 from .base import LinAttnBackbone, drop_path_rates, per_stage, resolve_arch
 
 _ARCH_KEYS = ('embed_dims', 'depths', 'num_heads', 'mlp_ratios')
 
-#: block type -> attention config
-ATTN_TYPES = {
-    'nala': dict(type='NormAwareLinearAttention'),
-    'softmax': dict(type='NaLaSoftmaxAttention'),
-}
+#: the attention of the released models: NaLa in stages 1-2, NaLa's softmax block in stages 3-4
+NALA = dict(type='NormAwareLinearAttention')
+SOFTMAX = dict(type='NaLaSoftmaxAttention')
+RELEASED_ATTN_CFG = (NALA, NALA, SOFTMAX, SOFTMAX)
 
 
 class LayerNorm2d(nn.Module):
@@ -39,37 +36,6 @@ class LayerNorm2d(nn.Module):
 
     def forward(self, x):
         return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
-
-
-def _bn_inplace_(bn, x):
-    """An eval-mode BatchNorm with running statistics applied in place to ``x`` (NCHW or
-    channels-last) as the per-channel affine map ``x * a + b`` it amounts to; any other norm is
-    called out of place."""
-    if bn.training or not bn.track_running_stats or bn.running_mean is None:
-        return bn(x)
-    a = torch.rsqrt(bn.running_var.to(x.dtype) + bn.eps)
-    if bn.weight is not None:
-        a = a * bn.weight.to(x.dtype)
-    b = -bn.running_mean.to(x.dtype) * a
-    if bn.bias is not None:
-        b = b + bn.bias.to(x.dtype)
-    return x.mul_(a.view(1, -1, 1, 1)).add_(b.view(1, -1, 1, 1))
-
-
-def _conv_bn_act(layers, x):
-    """``layers`` (convs, BatchNorms, GELUs in sequence) in inference: each norm and activation
-    works in place on the fresh output of the conv before it, so the chain makes one map per
-    conv instead of one per layer."""
-    fresh = False
-    for layer in layers:
-        if fresh and isinstance(layer, _BatchNorm):
-            x = _bn_inplace_(layer, x)
-        elif fresh and type(layer) is nn.GELU:
-            x = torch.ops.aten.gelu_(x, approximate=layer.approximate)
-        else:
-            x = layer(x)
-            fresh = isinstance(layer, nn.Conv2d)
-    return x
 
 
 class ConvStem(nn.Module):
@@ -86,8 +52,6 @@ class ConvStem(nn.Module):
             nn.Conv2d(half, embed_dims, 3, 2, 1), build_bn(norm_cfg, embed_dims))
 
     def forward(self, x):
-        if inference_call(self, x):
-            return _conv_bn_act(self.proj, x)
         return self.proj(x)
 
 
@@ -100,8 +64,6 @@ class ConvPatchMerging(nn.Module):
         self.norm = build_bn(norm_cfg, out_dims)
 
     def forward(self, x):
-        if inference_call(self, x):
-            return _conv_bn_act((self.reduction, self.norm), x)
         return self.norm(self.reduction(x))
 
 
@@ -118,10 +80,6 @@ class ConvFFN(nn.Module):
         self.drop = nn.Dropout(drop)
 
     def forward(self, x):
-        if type(self.act) is nn.GELU and inference_call(self, x):  # activation and sum in place
-            x = torch.ops.aten.gelu_(self.fc1(x.permute(0, 2, 3, 1)),
-                                     approximate=self.act.approximate).permute(0, 3, 1, 2)
-            return self.fc2(self.dwconv(x).add_(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
         x = self.drop(self.act(self.fc1(x.permute(0, 2, 3, 1)))).permute(0, 3, 1, 2)
         x = x + self.dwconv(x)
         return self.drop(self.fc2(x.permute(0, 2, 3, 1))).permute(0, 3, 1, 2)
@@ -138,8 +96,9 @@ class NaLaBlock(nn.Module):
     Args:
         embed_dims (int): channels.
         num_heads (int): attention heads.
-        attn_cfg (dict): attention config (``NormAwareLinearAttention`` or
-            ``NaLaSoftmaxAttention``).
+        attn_cfg (dict): attention config (``NormAwareLinearAttention``,
+            ``NaLaSoftmaxAttention`` or any other token mixer; NaLa's mixers get the stage's
+            shared RoPE).
         mlp_ratio (float): FFN hidden ratio.
         drop_path (float): stochastic depth rate.
         layer_scale_init_value (float, optional): LayerScale init (``gamma_1``, ``gamma_2``);
@@ -147,14 +106,10 @@ class NaLaBlock(nn.Module):
         drop_rate (float): dropout in the FFN and after the attention projection.
         block_idx (int), stage_idx (int): position (passed to the attention builder).
 
-    Attribute ``fused_ffn`` (default None, automatic): in CPU inference (eval mode, no gradient
-    needed, no autocast) on a channels-last map the FFN half ``x + gamma_2 * ffn(norm2(x))`` runs
-    as :func:`linattn_mm.ops.ffn.conv_ffn_residual_`, a few image rows at a time with the residual
-    in place (no map of the hidden width is made whole). ``False`` keeps the plain form; ``True``
-    asks for the fused form and raises where it cannot run.
+    The ConvFFN half runs as :func:`linattn_mm.ops.ffn.conv_ffn_branch` (``ffn_core='fast'``
+    without dropout): the same values and gradients, with only the map, its LayerNorm statistics
+    and the ``fc1`` output kept for backward; ``ffn_core='reference'`` runs the modules one by one.
     """
-
-    fused_ffn = None
 
     def __init__(self, embed_dims, num_heads, attn_cfg, mlp_ratio=4., drop_path=0.,
                  layer_scale_init_value=1., drop_rate=0., block_idx=0, stage_idx=0):
@@ -174,72 +129,53 @@ class NaLaBlock(nn.Module):
                                                    float(layer_scale_init_value)))
             self.gamma_2 = nn.Parameter(torch.full((1, embed_dims, 1, 1),
                                                    float(layer_scale_init_value)))
+        self.ffn_core = check_core(type(self).__name__, 'reference' if drop_rate else 'fast',
+                                   ('fast', 'reference'))
+
+    @property
+    def takes_rope(self):
+        """Whether the mixer takes the stage's shared RoPE (NaLa's own mixers)."""
+        return isinstance(self.attn, NaLaMixerBase)
 
     def _mix(self, x, rope):
-        H, W = x.shape[-2:]
-        t = self.norm1(x).flatten(2).transpose(1, 2)
-        return nlc_to_nchw(self.attn(t, (H, W), rope=rope), (H, W))
+        hw = tuple(x.shape[-2:])
+        t = nchw_to_nlc(self.norm1(x))
+        t = self.attn(t, hw, rope=rope) if self.takes_rope else self.attn(t, hw)
+        return nlc_to_nchw(t, hw)
 
-    def _use_fused_ffn(self, x):
-        return fast_form_selected(type(self).__name__, 'fused_ffn', self.fused_ffn,
-                                  lambda: self._fused_ffn_problem(x))
-
-    def _fused_ffn_problem(self, x):
-        dw = self.ffn.dwconv
-        if not inference_call(self, x):
-            return ('the fused ConvFFN runs in inference only (eval mode, no gradient needed, '
-                    'no autocast)')
-        if x.device.type != 'cpu':
-            return 'the fused ConvFFN runs on CPU'
-        if type(self.ffn.act) is not nn.GELU or type(self.norm2.norm) is not nn.LayerNorm:
-            return 'the fused ConvFFN needs the nn.GELU and nn.LayerNorm of this block'
-        if (dw.kernel_size, dw.stride, dw.padding, dw.dilation, dw.groups) != (
-                (3, 3), (1, 1), (1, 1), (1, 1), dw.in_channels):
-            return 'the fused ConvFFN needs a depth-wise 3 x 3 conv with stride 1 and padding 1'
-        if not channels_last_map(x):
-            return 'the fused ConvFFN needs a channels-last map'
-        return None
+    def ffn_branch(self, x):
+        """The ConvFFN branch ``ffn(norm2(x))`` of an NCHW map (see ``ffn_core``)."""
+        if self.ffn_core == 'fast':
+            return conv_ffn_branch(x.permute(0, 2, 3, 1), self.norm2.norm,
+                                   self.ffn).permute(0, 3, 1, 2)
+        return self.ffn(self.norm2(x))
 
     def forward(self, x, rope=None):
-        if inference_call(self, x):  # the residual sums in place on the fresh branch outputs
-            x = self.cpe1(x).add_(x)
-            a = self._mix(x, rope)
-            x = (a.mul_(self.gamma_1) if self.layer_scale else a).add_(x)
-            x = self.cpe2(x).add_(x)
-            if self._use_fused_ffn(x):  # x is the fresh sum above: updated in place
-                ffn, norm = self.ffn, self.norm2.norm
-                return conv_ffn_residual_(
-                    x, norm.weight, norm.bias, norm.eps, ffn.fc1.weight, ffn.fc1.bias,
-                    ffn.dwconv.weight, ffn.dwconv.bias, ffn.fc2.weight, ffn.fc2.bias,
-                    self.gamma_2.view(-1) if self.layer_scale else None, ffn.act.approximate)
-            f = self.ffn(self.norm2(x))
-            return (f.mul_(self.gamma_2) if self.layer_scale else f).add_(x)
-        if self.fused_ffn is not None:
-            self._use_fused_ffn(x)  # True or an invalid value raises: not in inference
         x = x + self.cpe1(x)
         a = self._mix(x, rope)
         x = x + self.drop_path(self.gamma_1 * a if self.layer_scale else a)
         x = x + self.cpe2(x)
-        f = self.ffn(self.norm2(x))
+        f = self.ffn_branch(x)
         return x + self.drop_path(self.gamma_2 * f if self.layer_scale else f)
 
 
 class NaLaStage(nn.Module):
-    """Blocks of one stage sharing one 2-D RoPE (``RoPE.angle``), then optional downsampling.
-    ``forward`` returns ``(stage output, downsampled output)``."""
+    """Blocks of one stage sharing one 2-D RoPE (``RoPE.angle``; only when a block's mixer uses
+    it), then optional downsampling. ``forward`` returns ``(stage output, downsampled output)``."""
 
     def __init__(self, depth, embed_dims, num_heads, attn_cfg, dpr, mlp_ratio,
                  layer_scale_init_value, drop_rate, out_dims, norm_cfg, stage_idx, with_cp):
         super().__init__()
-        self.RoPE = RoPE2d(embed_dims // num_heads, persistent=True)
         self.blocks = nn.ModuleList([
             NaLaBlock(embed_dims, num_heads, attn_cfg, mlp_ratio, dpr[j], layer_scale_init_value,
                       drop_rate, block_idx=j, stage_idx=stage_idx) for j in range(depth)])
+        uses_rope = any(b.takes_rope and b.attn.use_rope for b in self.blocks)
+        self.RoPE = RoPE2d(embed_dims // num_heads, persistent=True) if uses_rope else None
         self.downsample = ConvPatchMerging(embed_dims, out_dims, norm_cfg) if out_dims else None
         self.with_cp = with_cp
 
     def forward(self, x):
-        rope = self.RoPE(x.shape[-2:])
+        rope = self.RoPE(x.shape[-2:]) if self.RoPE is not None else None
         for blk in self.blocks:
             if self.with_cp and x.requires_grad:
                 x = cp.checkpoint(blk, x, rope, use_reentrant=False)
@@ -262,8 +198,9 @@ class NaLaFormer(LinAttnBackbone):
     A conv stem (stride 4), four stages of blocks (CPE 3x3 depth-wise convs, LayerNorm, attention,
     LayerScale, conv FFN) with conv patch merging (3x3 s2 + BN) between them. As released, stages
     1-2 use norm-aware linear attention (:class:`NormAwareLinearAttention`) and stages 3-4 global
-    softmax attention (:class:`NaLaSoftmaxAttention`); ``attn_types=('nala',) * 4`` gives an
-    all-linear network. Every stage shares one 2-D RoPE among its blocks; any H x W input works.
+    softmax attention (:class:`NaLaSoftmaxAttention`);
+    ``attn_cfg=dict(type='NormAwareLinearAttention')`` gives an all-linear network, and any other
+    token mixer fits as well. Every stage shares one 2-D RoPE among its blocks; any H x W input works.
 
     Args:
         arch (str | dict): ``'xt'``, ``'t'``, ``'s'``, ``'b'``, ``'l'`` (aliases ``x-tiny``,
@@ -271,10 +208,10 @@ class NaLaFormer(LinAttnBackbone):
             num_heads, mlp_ratios`` (and optionally ``layer_scale_init_values``,
             ``drop_path_rate``). Defaults to ``'t'``.
         in_channels (int): input channels. Defaults to 3.
-        attn_types (str | Sequence[str]): ``'nala'`` or ``'softmax'`` for every stage or per stage.
-            Defaults to ``('nala', 'nala', 'softmax', 'softmax')`` (the released models).
-        nala_cfg (dict | Sequence[dict], optional): extra options of the NaLa attention (all
-            stages or per stage), e.g. ``dict(kernel='paper')``. Defaults to None.
+        attn_cfg (dict | Sequence[dict]): the token mixer of every stage, or one per stage.
+            Defaults to :data:`RELEASED_ATTN_CFG`: ``NormAwareLinearAttention`` in stages 1-2 and
+            ``NaLaSoftmaxAttention`` in stages 3-4 (the released models). Options go in the
+            dicts, e.g. ``dict(type='NormAwareLinearAttention', kernel='paper')``.
         out_indices (Sequence[int]): stages whose maps are returned (before downsampling, each
             through its own LayerNorm ``extra_norms.{i}``). Defaults to ``(0, 1, 2, 3)``. May be
             empty when ``num_classes > 0``.
@@ -315,8 +252,8 @@ class NaLaFormer(LinAttnBackbone):
                                               3.5, (1e-6, 1e-6, 1e-6, 1e-6), 0.55)),
     }
 
-    def __init__(self, arch='t', in_channels=3, attn_types=('nala', 'nala', 'softmax', 'softmax'),
-                 nala_cfg=None, out_indices=(0, 1, 2, 3), num_classes=-1, projection=1024,
+    def __init__(self, arch='t', in_channels=3, attn_cfg=RELEASED_ATTN_CFG,
+                 out_indices=(0, 1, 2, 3), num_classes=-1, projection=1024,
                  drop_rate=0., drop_path_rate=None, layer_scale_init_values=None,
                  norm_cfg=dict(type='BN'), with_cp=False, frozen_stages=-1, norm_eval=False,
                  pretrained=None, init_cfg=None):
@@ -342,13 +279,7 @@ class NaLaFormer(LinAttnBackbone):
         self.out_indices = out_indices
         self.num_classes = num_classes
 
-        types = per_stage(name, attn_types, self.num_stages, 'attn_types')
-        for t in types:
-            if t not in ATTN_TYPES:
-                raise ValueError(f'{name}: attn_types entries must be one of '
-                                 f'{sorted(ATTN_TYPES)}, got {t!r}')
-        self.attn_types = tuple(types)
-        extra = per_stage(name, nala_cfg or {}, self.num_stages, 'nala_cfg')
+        attn_cfgs = per_stage(name, attn_cfg, self.num_stages)
         if layer_scale_init_values is None:
             layer_scale_init_values = a.get('layer_scale_init_values', 1.)
         ls = per_stage(name, layer_scale_init_values, self.num_stages, 'layer_scale_init_values')
@@ -360,11 +291,9 @@ class NaLaFormer(LinAttnBackbone):
         self.patch_embed = ConvStem(in_channels, self.embed_dims[0], norm_cfg)
         self.layers = nn.ModuleList()
         for i in range(self.num_stages):
-            cfg = copy.deepcopy(ATTN_TYPES[types[i]])
-            if types[i] == 'nala':
-                cfg.update(extra[i])
             self.layers.append(NaLaStage(
-                depths[i], self.embed_dims[i], a['num_heads'][i], cfg, dpr[i], a['mlp_ratios'][i],
+                depths[i], self.embed_dims[i], a['num_heads'][i], attn_cfgs[i], dpr[i],
+                a['mlp_ratios'][i],
                 ls[i], drop_rate,
                 self.embed_dims[i + 1] if i < self.num_stages - 1 else None, norm_cfg, i,
                 with_cp))
@@ -410,11 +339,9 @@ class NaLaFormer(LinAttnBackbone):
         return mods
 
     def forward(self, x):
-        if cpu_inference_call(self, x):
-            # channels-last maps on CPU: the convs run faster and the LayerNorms and the mixers'
-            # token views of the maps need no transposing copies
-            x = x.contiguous(memory_format=torch.channels_last)
-        x = self.patch_embed(x)
+        # channels-last maps: the convs run faster on CPU and the LayerNorms over the channels and
+        # the mixers' token views of the maps need no transposing copies
+        x = self.patch_embed(x.contiguous(memory_format=torch.channels_last))
         outs = []
         for i, stage in enumerate(self.layers):
             out, down = stage(x)

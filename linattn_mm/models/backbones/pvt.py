@@ -4,12 +4,13 @@ Module names follow the official PVT / PVTv2 code (``patch_embed{i}``, ``pos_emb
 ``block{i}.{j}``, ``norm{i}``), so official ImageNet checkpoints (and those of linear-attention
 families built on PVT) load without renaming.
 """
+import re
+
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from linattn_mm.registry import register_backbone
-from ..utils.layers import PatchEmbed, make_blocks, nlc_to_nchw
+from ..utils.layers import PatchEmbed, make_blocks, nlc_to_nchw, resize_grid_embed
 from .base import LinAttnBackbone, drop_path_rates, per_stage, resolve_arch
 
 _PVT_KEYS = ('embed_dims', 'depths', 'num_heads', 'mlp_ratios', 'sr_ratios')
@@ -21,8 +22,12 @@ def _pvt_arch(depths, dims=(64, 128, 320, 512), mlp_ratios=(8, 8, 4, 4)):
 
 
 class _PVTBase(LinAttnBackbone):
-    """Four-stage pyramid of patch embedding + transformer blocks (shared by PVT and PVTv2)."""
-    version = 1
+    """Four-stage pyramid of patch embedding + transformer blocks (shared by PVT and PVTv2; the
+    class attributes say where the two differ)."""
+    #: PVT v1: an absolute position embedding ``pos_embed{i}`` added after each patch embedding
+    absolute_pos_embed = True
+    #: PVTv2: a 3x3 depth-wise conv in the FFN and a LayerNorm ``norm{i}`` after every stage
+    conv_ffn_and_stage_norms = False
     default_attn_cfg = dict(type='SRSoftmaxAttention')
 
     def __init__(self, arch, in_channels=3, pretrain_img_size=224, attn_cfg=None,
@@ -51,17 +56,17 @@ class _PVTBase(LinAttnBackbone):
             setattr(self, f'patch_embed{i + 1}', PatchEmbed(prev, a['embed_dims'][i], k, s, p,
                                                                 norm_eps=norm_eps))
             pre_hw = (pretrain_img_size // stride, pretrain_img_size // stride)
-            if self.version == 1:
+            if self.absolute_pos_embed:
                 setattr(self, f'pos_embed{i + 1}',
                         nn.Parameter(torch.zeros(1, pre_hw[0] * pre_hw[1], a['embed_dims'][i])))
             setattr(self, f'block{i + 1}', make_blocks(
                 a['depths'][i], dpr[i], embed_dims=a['embed_dims'][i],
                 num_heads=a['num_heads'][i], attn_cfg=attn_cfgs[i], mlp_ratio=a['mlp_ratios'][i],
-                drop_rate=drop_rate, dwconv_mlp=self.version == 2, with_cp=with_cp,
+                drop_rate=drop_rate, dwconv_mlp=self.conv_ffn_and_stage_norms, with_cp=with_cp,
                 norm_eps=norm_eps,
                 sr_ratio=a['sr_ratios'][i], qkv_bias=qkv_bias, pretrain_hw=pre_hw,
                 stage_idx=i))
-            if self.version == 2:
+            if self.conv_ffn_and_stage_norms:
                 setattr(self, f'norm{i + 1}', nn.LayerNorm(a['embed_dims'][i], eps=norm_eps))
             prev = a['embed_dims'][i]
         self.pos_drop = nn.Dropout(drop_rate)
@@ -87,7 +92,7 @@ class _PVTBase(LinAttnBackbone):
 
     def stage_modules(self, i):
         mods = [getattr(self, f'patch_embed{i + 1}'), getattr(self, f'block{i + 1}')]
-        if self.version == 1:
+        if self.absolute_pos_embed:
             mods.append(getattr(self, f'pos_embed{i + 1}'))
         else:
             mods.append(getattr(self, f'norm{i + 1}'))
@@ -101,17 +106,14 @@ class _PVTBase(LinAttnBackbone):
         outs = []
         for i in range(self.num_stages):
             x, hw = getattr(self, f'patch_embed{i + 1}')(x)
-            if self.version == 1:
+            if self.absolute_pos_embed:
                 pos = getattr(self, f'pos_embed{i + 1}')
                 side = self.pretrain_img_size // self.strides[i]
-                if (side, side) != hw:
-                    pos = pos.reshape(1, side, side, -1).permute(0, 3, 1, 2)
-                    pos = F.interpolate(pos, size=hw, mode='bilinear', align_corners=False)
-                    pos = pos.flatten(2).transpose(1, 2)
+                pos = resize_grid_embed(pos, (side, side), hw, mode='bilinear')
                 x = self.pos_drop(x + pos)
             for blk in getattr(self, f'block{i + 1}'):
                 x = blk(x, hw)
-            if self.version == 2:
+            if self.conv_ffn_and_stage_norms:
                 x = getattr(self, f'norm{i + 1}')(x)
             x = nlc_to_nchw(x, hw)
             if i in self.out_indices:
@@ -145,7 +147,6 @@ class LinAttnPVT(_PVTBase):
     (and reported) when loading. Stage maps are returned without extra norms, as in the official
     detection code; for classification use global average pooling over the last stage.
     """
-    version = 1
     arch_zoo = {
         **dict.fromkeys(['t', 'tiny'], _pvt_arch([2, 2, 2, 2])),
         **dict.fromkeys(['s', 'small'], _pvt_arch([3, 4, 6, 3])),
@@ -157,6 +158,15 @@ class LinAttnPVT(_PVTBase):
     def patch_geometry(self, i):
         return (4, 4, 0) if i == 0 else (2, 2, 0)
 
+    def resize_checkpoint_tensor(self, name, src):
+        """``pos_embed{i}`` of a checkpoint from another pretraining size: grid resized
+        bicubically; the class-token row of the official last stage is dropped (and noted).
+        Other names: not resized."""
+        if re.fullmatch(r'pos_embed\d+', name) is None:
+            return None
+        from linattn_mm.checkpoint.resize import resize_pos_embed
+        return resize_pos_embed(name, src, getattr(self, name).shape)
+
 
 @register_backbone
 class LinAttnPVTv2(_PVTBase):
@@ -164,7 +174,8 @@ class LinAttnPVTv2(_PVTBase):
     no absolute position embedding, a LayerNorm after every stage. Arguments as
     :class:`LinAttnPVT`; arch ``'b0'`` … ``'b5'``. ``attn_cfg=dict(type='SRSoftmaxAttention',
     linear=True)`` gives the linear-SRA (``-li``) attention."""
-    version = 2
+    absolute_pos_embed = False
+    conv_ffn_and_stage_norms = True
     arch_zoo = {
         'b0': _pvt_arch([2, 2, 2, 2], dims=(32, 64, 160, 256)),
         'b1': _pvt_arch([2, 2, 2, 2]),

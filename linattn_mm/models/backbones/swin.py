@@ -106,6 +106,14 @@ class LinAttnSwin(LinAttnBackbone):
                           for k, v in state_dict.items()}
         return state_dict
 
+    def resize_checkpoint_tensor(self, name, src):
+        """``absolute_pos_embed`` of a checkpoint from another pretraining size: grid resized
+        bicubically. Other names: not resized."""
+        if name != 'absolute_pos_embed':
+            return None
+        from linattn_mm.checkpoint.resize import resize_pos_embed
+        return resize_pos_embed(name, src, self.absolute_pos_embed.shape)
+
     def stem_modules(self):
         mods = [self.patch_embed]
         if self.use_abs_pos_embed:

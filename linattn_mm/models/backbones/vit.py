@@ -105,6 +105,14 @@ class LinAttnViT(LinAttnBackbone):
 
     pretrained_ignore_keys = (r'^head\.', r'^head_dist\.', r'^dist_token$', r'^fc_norm\.')
 
+    def resize_checkpoint_tensor(self, name, src):
+        """``pos_embed`` of a checkpoint from another pretraining size (or with other class /
+        distillation rows): grid resized bicubically, class rows kept. Other names: not resized."""
+        if name != 'pos_embed':
+            return None
+        from linattn_mm.checkpoint.resize import resize_pos_embed
+        return resize_pos_embed(name, src, self.pos_embed.shape)
+
     def stem_modules(self):
         mods = [self.patch_embed, self.pos_embed]
         if self.num_extra_tokens:

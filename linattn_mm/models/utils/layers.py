@@ -7,8 +7,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as cp
 
 from linattn_mm.models.attentions.base import build_attention
-from linattn_mm.ops.common import fast_form_selected, grad_needed
-from linattn_mm.ops.ffn import ffn_residual_
+from linattn_mm.ops.dispatch import check_core
+from linattn_mm.ops.ffn import ffn_branch
 # re-exported for the skeletons
 from .grid import nchw_to_nlc, nlc_to_nchw, resize_grid_embed  # noqa: F401
 
@@ -93,15 +93,12 @@ class TransformerBlock(nn.Module):
         norm_eps (float): LayerNorm epsilon (official PVT/DeiT: 1e-6, Swin: 1e-5).
         context (dict): extra context for the token mixer (block_idx, pretrain_hw, ...).
 
-    Attribute ``fused_ffn`` (default None, automatic): in inference (eval mode and no gradient
-    needed) the second half ``x + mlp(norm2(x))`` of a block without the PVTv2 depth-wise conv
-    runs as :func:`linattn_mm.ops.ffn.ffn_residual_`: on CPU 1024 tokens at a time, with the
-    activation and the residual in place (same result; up to 2.3x faster on CPU at stage-1 sizes,
-    equal at stage 3-4 sizes). Not under autocast.
-    ``False`` keeps the plain form; ``True`` asks for the fused form and raises where it cannot run.
+    The FFN half runs as :func:`linattn_mm.ops.ffn.ffn_branch` (``ffn_core='fast'``, chosen at
+    construction for the LayerNorm + Linear-GELU-Linear FFN without dropout): the same values and
+    gradients, with only the block input, its LayerNorm statistics and the ``fc1`` output kept for
+    backward. ``ffn_core='reference'`` (the PVTv2 depth-wise FFN, dropout, or set by hand) runs
+    the modules one by one.
     """
-
-    fused_ffn = None
 
     def __init__(self, embed_dims, num_heads, attn_cfg, mlp_ratio=4., drop_path=0., drop_rate=0.,
                  dwconv_mlp=False, with_cp=False, norm_eps=1e-6, **context):
@@ -115,33 +112,19 @@ class TransformerBlock(nn.Module):
         self.norm2 = nn.LayerNorm(embed_dims, eps=norm_eps)
         self.mlp = Mlp(embed_dims, int(embed_dims * mlp_ratio), drop_rate, dwconv_mlp)
         self.with_cp = with_cp
+        lean = (not dwconv_mlp and drop_rate == 0 and type(self.mlp.act) is nn.GELU)
+        self.ffn_core = check_core(type(self).__name__, 'fast' if lean else 'reference',
+                                   ('fast', 'reference'))
+
+    def ffn(self, x, hw_shape):
+        """The FFN branch ``mlp(norm2(x))`` (see ``ffn_core``)."""
+        if self.ffn_core == 'fast':
+            return ffn_branch(x, self.norm2, self.mlp)
+        return self.mlp(self.norm2(x), hw_shape)
 
     def _forward(self, x, hw_shape):
         x = x + self.drop_path(self.attn(self.norm1(x), hw_shape))
-        if self._use_fused_ffn(x):  # x is the fresh sum above: updated in place
-            mlp, norm = self.mlp, self.norm2
-            return ffn_residual_(x, norm.weight, norm.bias, norm.eps, mlp.fc1.weight, mlp.fc1.bias,
-                                 mlp.fc2.weight, mlp.fc2.bias, mlp.act.approximate)
-        return x + self.drop_path(self.mlp(self.norm2(x), hw_shape))
-
-    def _use_fused_ffn(self, x):
-        return fast_form_selected(type(self).__name__, 'fused_ffn', self.fused_ffn,
-                                  lambda: self._fused_ffn_problem(x))
-
-    def _fused_ffn_problem(self, x):
-        if self.training:
-            return 'the fused FFN runs in eval mode only'
-        if self.mlp.dwconv is not None:
-            return 'the fused FFN has no depth-wise conv (PVTv2 FFN)'
-        if type(self.mlp.act) is not nn.GELU or type(self.norm2) is not nn.LayerNorm:
-            return 'the fused FFN needs the nn.GELU and nn.LayerNorm of this block'
-        if torch.is_autocast_enabled(x.device.type):
-            return 'the fused FFN does not run under autocast'
-        if grad_needed(x, *self.mlp.parameters(), *self.norm2.parameters()):
-            return 'the fused FFN is forward-only and a gradient is needed here'
-        if not x.is_contiguous():
-            return 'the fused FFN needs contiguous tokens'
-        return None
+        return x + self.drop_path(self.ffn(x, hw_shape))
 
     def forward(self, x, hw_shape):
         if self.with_cp and x.requires_grad:
@@ -157,10 +140,6 @@ class PatchEmbed(nn.Module):
     ones (PVTv2: kernel 7 stride 4 pad 3, kernel 3 stride 2 pad 1) give the same grid through padding.
     """
 
-    #: None: in CPU inference embed non-overlapping patches with one GEMM (:meth:`_patchify`);
-    #: False: always the strided conv
-    patchify = None
-
     def __init__(self, in_channels, embed_dims, kernel_size, stride, padding=0, norm=True,
                  norm_eps=1e-5):
         super().__init__()
@@ -171,16 +150,7 @@ class PatchEmbed(nn.Module):
 
     def forward(self, x):
         """(B, C, H, W) -> tokens (B, N, C'), hw_shape."""
-        if self.kernel_size == self.stride:
-            H, W = x.shape[-2:]
-            pad_b, pad_r = (-H) % self.stride, (-W) % self.stride
-            if pad_b or pad_r:
-                x = F.pad(x, (0, pad_r, 0, pad_b))
-            if self.patchify is not False and x.device.type == 'cpu' \
-                    and self.proj.padding == (0, 0) \
-                    and not torch.is_autocast_enabled('cpu') \
-                    and not grad_needed(x, *self.proj.parameters()):
-                return self._patchify(x)
+        x = self.pad(x)
         x = self.proj(x)
         hw = tuple(x.shape[-2:])
         x = nchw_to_nlc(x)
@@ -188,20 +158,14 @@ class PatchEmbed(nn.Module):
             x = self.norm(x)
         return x, hw
 
-    def _patchify(self, x):
-        """Non-overlapping embedding in CPU inference as one GEMM on the gathered patches (the
-        same sums as the strided conv; CPU convolution of a channels-last map, as the stage
-        outputs are, was 2-3x slower at high resolution)."""
-        B, C, H, W = x.shape
-        p = self.stride
-        h, w = H // p, W // p
-        patches = x.permute(0, 2, 3, 1).reshape(B, h, p, w, p, C).transpose(2, 3)
-        weight = self.proj.weight.permute(0, 2, 3, 1).reshape(self.proj.out_channels, p * p * C)
-        out = F.linear(patches.reshape(B * h * w, p * p * C), weight, self.proj.bias)
-        out = out.view(B, h * w, -1)
-        if self.norm is not None:
-            out = self.norm(out)
-        return out, (h, w)
+    def pad(self, x):
+        """Non-overlapping embeddings: the input padded at the bottom / right to a multiple of the
+        stride."""
+        if self.kernel_size != self.stride:
+            return x
+        H, W = x.shape[-2:]
+        pad_b, pad_r = (-H) % self.stride, (-W) % self.stride
+        return F.pad(x, (0, pad_r, 0, pad_b)) if pad_b or pad_r else x
 
 
 class PatchMerging(nn.Module):

@@ -1,9 +1,9 @@
 """Triton kernel of NaLaFormer's norm-aware linear attention core (official kernel), for CUDA
 inference.
 
-Same maths as :func:`linattn_mm.ops.nala.nala_attention_fast` (and the module's reference
-``feature_maps`` + ``apply_rope``), in two passes over the tokens with the feature maps made in
-registers, as the Pola kernel (:mod:`linattn_mm.ops.pola_triton`):
+Same maths as :func:`linattn_mm.ops.nala.fast.nala_attention_fast` (and the reference
+:func:`~linattn_mm.ops.nala.reference.nala_attention_reference`), in two passes over the tokens
+with the feature maps made in registers, as the Pola kernel (:mod:`linattn_mm.ops.pola.triton`):
 
 1. **Keys** (grid: batch·heads × key chunks). Each program reads its chunk of ``k`` and ``v`` once,
    makes ``c = k^lam`` with the sign kept (``k·k·k`` for ``lam = 3``) and the sign split
@@ -19,20 +19,20 @@ registers, as the Pola kernel (:mod:`linattn_mm.ops.pola_triton`):
 
 Inputs may be float32, bfloat16 or float16 (every feature, product and sum is float32); matmuls use
 ``input_precision='ieee'``. Head dims are padded to a power of two ≥ 16 inside the kernel (masked
-loads). Forward only; ``NormAwareLinearAttention(fused=None)`` selects it for CUDA inference and
-runs the torch kernel otherwise. ``TRITON_INTERPRET=1`` runs the same kernels on CPU tensors.
+loads). Forward only: ``core='triton'`` on the mixer, which :func:`linattn_mm.deploy.convert`
+sets for CUDA inference. ``TRITON_INTERPRET=1`` runs the same kernels on CPU tensors.
 """
 import torch
 
-from .nala import _rot_rows
-from .pola_triton import TRITON_DTYPES, _num_splits, check_qkv, triton, triton_available
+from ..pola.triton import _num_splits, check_qkv, triton
+from .fast import _rot_rows
 
-__all__ = ['nala_attention_triton', 'triton_available', 'TRITON_DTYPES']
+__all__ = ['nala_attention_triton']
 
 if triton is not None:
     import triton.language as tl
 
-    from .pola_triton import _load_tile
+    from ..pola.triton import _load_tile
 
     @triton.jit
     def _key_power(y, lam, CUBE: tl.constexpr):
@@ -135,7 +135,7 @@ if triton is not None:
 def nala_attention_triton(q, k, v, power=3., eps=1e-6, sin=None, cos=None, out_dtype=None,
                           block_n=64, block_m=64):
     """Norm-aware linear attention core (official kernel) with the Triton kernels (see the module
-    docstring); same arguments and result as :func:`linattn_mm.ops.nala.nala_attention_fast`.
+    docstring); same arguments and result as :func:`linattn_mm.ops.nala.fast.nala_attention_fast`.
 
     Args:
         q (Tensor): queries (B, h, N, d), any strides.

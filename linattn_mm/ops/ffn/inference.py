@@ -18,7 +18,7 @@ Forward only, in place on ``x``: the caller owns ``x`` and needs no gradient.
 import torch
 import torch.nn.functional as F
 
-from .common import linear_into
+from ..common import linear_into
 
 __all__ = ['ffn_residual_', 'conv_ffn_residual_', 'channels_last_map', 'CPU_CHUNK_ROWS',
            'CPU_BAND_TOKENS']

@@ -1,8 +1,8 @@
 """Triton kernel of PolaFormer's polarity-aware linear attention core (non-causal), for CUDA
 inference.
 
-Same maths as :func:`linattn_mm.ops.pola.polarity_attention_fast` (and the reference
-``polarity_attention``), in two passes over the tokens with the feature maps made in registers:
+Same maths as :func:`linattn_mm.ops.pola.fast.polarity_attention_fast` (and the reference
+:func:`~linattn_mm.ops.pola.reference.polarity_attention_reference`), in two passes over the tokens with the feature maps made in registers:
 
 1. **Keys** (grid: batch·heads × key chunks). Each program reads its chunk of ``k`` (and of the
    position encoding) and ``v`` once, makes ``y = (k + pe) / s`` and the polarity features
@@ -10,7 +10,7 @@ Same maths as :func:`linattn_mm.ops.pola.polarity_attention_fast` (and the refer
    picks the half), and accumulates ``k+ᵀv``, ``k-ᵀv`` (d × d) and the key sums ``Σk+``, ``Σk-`` in
    float32. Partial sums per chunk go to a small buffer that torch adds up; the two per-stream
    matrices ``W+ = [k+ᵀv_s | k-ᵀv_o] / n`` and ``W- = [k-ᵀv_s | k+ᵀv_o] / n`` are then built
-   (``q_opp @ X == q_sim @ swap(X)``, see :mod:`linattn_mm.ops.pola`).
+   (``q_opp @ X == q_sim @ swap(X)``, see :mod:`linattn_mm.ops.pola.fast`).
 2. **Queries** (grid: batch·heads × query blocks). Each program reads a block of ``q``, makes
    ``q+``, ``q-`` the same way, computes the numerators ``q+ W+ + q- W-`` and the two
    denominators (same-signed ``q+·k̄+ + q-·k̄-``, opposite ``q+·k̄- + q-·k̄+``, plus ``eps``) and
@@ -21,37 +21,19 @@ float32; the output has ``out_dtype``). The matmuls use ``input_precision='ieee'
 are d × d per token and the kernel is bound by memory traffic, not by them. Head dims are padded
 to a power of two ≥ 16 inside the kernel (masked loads), so any ``d`` works.
 
-Forward only: the modules select it for CUDA inference (no gradient needed) and fall back to the
-differentiable torch kernel otherwise. With ``TRITON_INTERPRET=1`` the same kernels run on CPU
+Forward only: ``core='triton'`` on the mixer, which :func:`linattn_mm.deploy.convert` sets for
+CUDA inference. With ``TRITON_INTERPRET=1`` the same kernels run on CPU
 tensors through Triton's interpreter, which is how the tests check them on machines without a GPU.
 """
-import os
-
 import torch
 
-try:  # Triton ships with the CUDA builds of torch; the torch paths never need it
-    import triton
+from ..dispatch import TRITON_DTYPES, triton_available, triton_module
+
+triton = triton_module()  # Triton ships with the CUDA builds of torch; the torch cores never need it
+if triton is not None:
     import triton.language as tl
-except Exception:  # pragma: no cover - not installed, or installed without its libraries
-    triton = None
 
-__all__ = ['polarity_attention_triton', 'triton_available', 'check_qkv', 'TRITON_DTYPES']
-
-TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _interpreting():
-    return os.environ.get('TRITON_INTERPRET') == '1'
-
-
-def triton_available(x=None):
-    """True when the Triton kernel can run on ``x``'s device: Triton is installed and ``x`` is
-    a CUDA tensor (or any tensor under ``TRITON_INTERPRET=1``)."""
-    if triton is None:
-        return False
-    if x is None:
-        return torch.cuda.is_available() or _interpreting()
-    return x.is_cuda or _interpreting()
+__all__ = ['polarity_attention_triton', 'check_qkv']
 
 
 if triton is not None:
@@ -182,8 +164,8 @@ def _num_splits(n, bh, block_n, device):
     return max(1, min(blocks, triton.cdiv(2 * sms, bh)))
 
 
-def polarity_attention_triton(q, k, v, p, eps=1e-6, inv_scale=None, k_bias=None, out_dtype=None,
-                              block_n=64, block_m=64):
+def polarity_attention_triton(q, k, v, p, eps=1e-6, temperature=None, k_bias=None,
+                              out_dtype=None, block_n=64, block_m=64):
     """Polarity-aware linear attention with the Triton kernels (see the module docstring).
 
     Args:
@@ -192,7 +174,8 @@ def polarity_attention_triton(q, k, v, p, eps=1e-6, inv_scale=None, k_bias=None,
         v (Tensor): values (B, h, n, d).
         p (Tensor): exponents broadcastable to (1, h, 1, d), all > 0.
         eps (float): added to the (mean-normalised) denominators.
-        inv_scale (Tensor, optional): ``1 / softplus(scale)``, broadcastable to (1, h, 1, d).
+        temperature (Tensor, optional): ``softplus(scale)``, broadcastable to (1, h, 1, d); q and k
+            are divided by it.
         k_bias (Tensor, optional): position encoding added to ``k`` first, broadcastable to
             (B, h, n, d).
         out_dtype (torch.dtype, optional): output dtype; default ``v.dtype``.
@@ -204,7 +187,8 @@ def polarity_attention_triton(q, k, v, p, eps=1e-6, inv_scale=None, k_bias=None,
     dev = q.device
     DP = max(16, triton.next_power_of_2(d))
     p = _per_head(p, h, d, 'p').to(dev)
-    inv_s = _per_head(inv_scale, h, d, 'inv_scale').to(dev) if inv_scale is not None else p
+    has_scale = temperature is not None
+    inv_s = (1 / _per_head(temperature, h, d, 'temperature')).to(dev) if has_scale else p
     if k_bias is not None:
         try:
             pe = k_bias.expand(B, h, n, d)
@@ -220,7 +204,7 @@ def polarity_attention_triton(q, k, v, p, eps=1e-6, inv_scale=None, k_bias=None,
     ks = torch.empty(B * h, splits, 2, DP, device=dev, dtype=torch.float32)
     _pola_keys_kernel[(B * h, splits)](
         k, v, pe, p, inv_s, kv, ks, n, h, chunk, *k.stride(), *v.stride(), *pe.stride(),
-        D=d, DP=DP, BLOCK_N=block_n, HAS_PE=k_bias is not None, HAS_SCALE=inv_scale is not None)
+        D=d, DP=DP, BLOCK_N=block_n, HAS_PE=k_bias is not None, HAS_SCALE=has_scale)
     kv = kv.sum(1).mul_(1.0 / n)  # (B*h, 2, DP, DP): [k+ᵀv, k-ᵀv] / n
     ks = ks.sum(1).mul_(1.0 / n)  # key means
     # columns [0, d_s) take the same-signed stream, the rest the opposite one:
@@ -232,5 +216,5 @@ def polarity_attention_triton(q, k, v, p, eps=1e-6, inv_scale=None, k_bias=None,
     out = torch.empty(B, N, h, d, device=dev, dtype=out_dtype or v.dtype)
     _pola_queries_kernel[(B * h, triton.cdiv(N, block_m))](
         q, w, ks.contiguous(), p, inv_s, out, N, h, float(eps), *q.stride(), *out.stride(),
-        D=d, D_SAME=d_same, DP=DP, BLOCK_M=block_m, HAS_SCALE=inv_scale is not None)
+        D=d, D_SAME=d_same, DP=DP, BLOCK_M=block_m, HAS_SCALE=has_scale)
     return out.transpose(1, 2)

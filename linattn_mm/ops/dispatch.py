@@ -1,0 +1,68 @@
+"""Which attention cores exist, whether the Triton kernels can run here, and the memory of a
+Triton failure.
+
+Every linear family exposes its kernels behind one signature and a ``core`` name (``'reference'``,
+``'fast'``, ``'triton'``) that a mixer fixes at construction and :func:`linattn_mm.deploy.convert`
+may change once for inference; nothing here looks at a call's device or gradient to choose. The
+Triton kernels are forward-only CUDA kernels (Triton's interpreter runs them on CPU tensors under
+``TRITON_INTERPRET=1``); Triton is imported on first use only.
+"""
+import os
+import warnings
+
+import torch
+
+__all__ = ['CORES', 'check_core', 'TRITON_DTYPES', 'triton_module', 'triton_available',
+           'TRITON_FAILURES', 'note_triton_failure']
+
+#: the names of the attention cores of the linear families
+CORES = ('reference', 'fast', 'triton')
+
+#: input dtypes the Triton kernels read
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+#: the errors of Triton calls made by converted modules in this process (a failing compiler or
+#: driver makes them run their torch kernel from then on; see :func:`note_triton_failure`)
+TRITON_FAILURES = []
+
+
+def check_core(owner, core, available=CORES):
+    """The core name ``core`` of a mixer, or a ``ValueError`` naming the valid ones."""
+    if core not in available:
+        raise ValueError(f'{owner}: core must be one of {tuple(available)}, got {core!r}')
+    return core
+
+
+def triton_module():
+    """The ``triton`` package, or None when it is not installed (or not importable)."""
+    try:
+        import triton
+    except Exception:  # pragma: no cover - depends on the installation
+        return None
+    return triton
+
+
+def _interpreting():
+    return os.environ.get('TRITON_INTERPRET') == '1'
+
+
+def triton_available(device=None):
+    """True when the Triton kernels can run on ``device`` (a ``torch.device``, a string, a tensor
+    or None for "any"): Triton is installed and the device is CUDA, or Triton's interpreter is on
+    (``TRITON_INTERPRET=1``, any device)."""
+    if triton_module() is None:
+        return False
+    if isinstance(device, torch.Tensor):
+        device = device.device
+    if device is None:
+        return torch.cuda.is_available() or _interpreting()
+    return torch.device(device).type == 'cuda' or _interpreting()
+
+
+def note_triton_failure(owner, exc):
+    """Record ``exc`` of a converted module's Triton call in :data:`TRITON_FAILURES` and warn that
+    its torch kernel runs instead."""
+    TRITON_FAILURES.append(f'{type(exc).__name__}: {exc}')
+    warnings.warn(f'{owner}: the Triton kernel failed ({TRITON_FAILURES[-1][:500]}); the torch '
+                  f"kernel runs instead from now on (core='triton' on the module raises the "
+                  f'error)', stacklevel=3)

@@ -1,0 +1,143 @@
+"""Training forms of the blocks' FFN halves: autograd Functions that keep for backward only the
+block's input (with the LayerNorm statistics) and the ``fc1`` output, and recompute the rest.
+
+Plain autograd of ``fc2(act(fc1(LN(x))))`` keeps the LayerNorm output (``fc1``'s input), the
+``fc1`` output (the activation's input) and the activation (``fc2``'s input): C + 2 r C floats a
+token for hidden ratio r, and NaLaFormer's ConvFFN ``fc2(h + dwconv(h))`` keeps one more r C map.
+These Functions keep x, its LayerNorm mean and inverse deviation and the ``fc1`` output (r C): the
+normalised input, the activation and the conv branch are recomputed in the backward, where the
+gradients are the usual ones written out (``gelu_backward``, ``native_layer_norm_backward``,
+``convolution_backward``). Under autocast the products run in the autocast dtype as in the plain
+form; the backward computes in the dtype of the saved activations and returns each gradient in
+its input's dtype.
+"""
+import torch
+import torch.nn.functional as F
+
+__all__ = ['FFNBranch', 'ConvFFNBranch', 'ffn_branch', 'conv_ffn_branch']
+
+
+def _layer_norm(x, weight, bias, eps):
+    return torch.native_layer_norm(x, (x.shape[-1], ), weight, bias, eps)
+
+
+def _linear_grads(grad, inp, weight, need_w, need_b):
+    """``grad @ weight`` and the weight / bias gradients of ``y = inp @ weight^T + b`` (2-D)."""
+    dt = grad.dtype
+    d_in = grad @ weight.to(dt)
+    d_w = grad.t() @ inp.to(dt) if need_w else None
+    d_b = grad.sum(0) if need_b else None
+    return d_in, d_w, d_b
+
+
+def _to(t, like):
+    return None if t is None else t.to(like.dtype)
+
+
+def _ln_backward(ctx, dn, x, ln_w, ln_b, mean, rstd, first):
+    """Gradients of the input and the LayerNorm's affine parameters (inputs ``first``,
+    ``first + 1``, ``first + 2`` of the Function)."""
+    need = ctx.needs_input_grad
+    dx, dlw, dlb = torch.ops.aten.native_layer_norm_backward(
+        dn.to(x.dtype), x, (x.shape[-1], ), mean, rstd, ln_w, ln_b,
+        [need[first], ln_w is not None and need[first + 1], ln_b is not None and need[first + 2]])
+    return dx, dlw, dlb
+
+
+class FFNBranch(torch.autograd.Function):
+    """``fc2(gelu(fc1(layer_norm(x))))`` over the last dim of ``x`` (..., C), the FFN branch of a
+    transformer block without its residual."""
+
+    @staticmethod
+    def forward(ctx, x, ln_w, ln_b, eps, w1, b1, w2, b2, approximate):
+        n, mean, rstd = _layer_norm(x, ln_w, ln_b, eps)
+        h = F.linear(n, w1, b1)
+        out = F.linear(F.gelu(h, approximate=approximate), w2, b2)
+        ctx.eps, ctx.approximate = eps, approximate
+        ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
+        ctx.save_for_backward(x, ln_w, ln_b, mean, rstd, w1, w2, h)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, ln_w, ln_b, mean, rstd, w1, w2, h = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        hidden = h.shape[-1]
+        g = grad.reshape(-1, grad.shape[-1])
+        h2 = h.reshape(-1, hidden)
+        a = F.gelu(h2, approximate=ctx.approximate)
+        da, dw2, db2 = _linear_grads(g, a, w2, need[6], need[7] and ctx.has_b2)
+        del a
+        dh = torch.ops.aten.gelu_backward(da, h2.to(da.dtype), approximate=ctx.approximate)
+        del da
+        n = _layer_norm(x, ln_w, ln_b, ctx.eps)[0].reshape(-1, x.shape[-1])
+        dn, dw1, db1 = _linear_grads(dh, n, w1, need[4], need[5] and ctx.has_b1)
+        del dh, n
+        dx, dlw, dlb = _ln_backward(ctx, dn.reshape(x.shape), x, ln_w, ln_b, mean, rstd, 0)
+        return (dx, dlw, dlb, None, _to(dw1, w1), _to(db1, w1), _to(dw2, w2), _to(db2, w2), None)
+
+
+class ConvFFNBranch(torch.autograd.Function):
+    """NaLaFormer's ConvFFN branch on a (B, H, W, C) map: ``fc2(h + dwconv(h))`` with
+    ``h = gelu(fc1(layer_norm(x)))``, the depth-wise conv (stride 1, same padding) on the
+    channels-last (B, r C, H, W) view of ``h``."""
+
+    @staticmethod
+    def forward(ctx, x, ln_w, ln_b, eps, w1, b1, dw_w, dw_b, w2, b2, approximate):
+        n, mean, rstd = _layer_norm(x, ln_w, ln_b, eps)
+        pre = F.linear(n, w1, b1)  # (B, H, W, rC)
+        pad = dw_w.shape[-1] // 2
+        out = F.linear(_conv_sum(F.gelu(pre, approximate=approximate), dw_w, dw_b, pad), w2, b2)
+        ctx.eps, ctx.approximate, ctx.pad = eps, approximate, pad
+        ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
+        ctx.save_for_backward(x, ln_w, ln_b, mean, rstd, w1, dw_w, dw_b, w2, pre)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, ln_w, ln_b, mean, rstd, w1, dw_w, dw_b, w2, pre = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        B, H, W, R = pre.shape
+        dt = grad.dtype
+        a = F.gelu(pre, approximate=ctx.approximate).to(dt)  # (B, H, W, rC)
+        z = _conv_sum(a, dw_w.to(dt), _to(dw_b, a), ctx.pad)
+        dz, dw2, db2 = _linear_grads(grad.reshape(-1, grad.shape[-1]), z.reshape(-1, R), w2,
+                                     need[8], need[9] and ctx.has_b2)
+        del z
+        dz = dz.reshape(B, H, W, R)
+        # the conv's bias gradient as a sum (the conv backward's own is several times slower)
+        d_amap, ddw, _ = torch.ops.aten.convolution_backward(
+            dz.permute(0, 3, 1, 2), a.permute(0, 3, 1, 2), dw_w.to(dt), None, [1, 1],
+            [ctx.pad, ctx.pad], [1, 1], False, [0, 0], R, [True, need[6], False])
+        ddb = dz.sum((0, 1, 2)) if dw_b is not None and need[7] else None
+        da = d_amap.permute(0, 2, 3, 1).add_(dz)
+        del d_amap, dz, a
+        dpre = torch.ops.aten.gelu_backward(da, pre.to(dt), approximate=ctx.approximate)
+        del da
+        n = _layer_norm(x, ln_w, ln_b, ctx.eps)[0].reshape(-1, x.shape[-1])
+        dn, dw1, db1 = _linear_grads(dpre.reshape(-1, R), n, w1, need[4], need[5] and ctx.has_b1)
+        del dpre, n
+        dx, dlw, dlb = _ln_backward(ctx, dn.reshape(x.shape), x, ln_w, ln_b, mean, rstd, 0)
+        return (dx, dlw, dlb, None, _to(dw1, w1), _to(db1, w1), _to(ddw, dw_w), _to(ddb, dw_w),
+                _to(dw2, w2), _to(db2, w2), None)
+
+
+def _conv_sum(a, dw_w, dw_b, pad):
+    """``a + dwconv(a)`` of a (B, H, W, R) map, the conv on its channels-last NCHW view."""
+    c = F.conv2d(a.permute(0, 3, 1, 2), dw_w, dw_b, 1, pad, 1, dw_w.shape[0])
+    return c.permute(0, 2, 3, 1) + a
+
+
+def ffn_branch(x, norm, mlp):
+    """:class:`FFNBranch` with the parameters of a ``nn.LayerNorm`` and an ``Mlp`` (``fc1``,
+    GELU, ``fc2``)."""
+    return FFNBranch.apply(x, norm.weight, norm.bias, norm.eps, mlp.fc1.weight, mlp.fc1.bias,
+                           mlp.fc2.weight, mlp.fc2.bias, mlp.act.approximate)
+
+
+def conv_ffn_branch(x, norm, ffn):
+    """:class:`ConvFFNBranch` on a (B, H, W, C) map with the parameters of a ``nn.LayerNorm`` and
+    NaLaFormer's ``ConvFFN`` (``fc1``, GELU, ``dwconv``, ``fc2``)."""
+    return ConvFFNBranch.apply(x, norm.weight, norm.bias, norm.eps, ffn.fc1.weight, ffn.fc1.bias,
+                               ffn.dwconv.weight, ffn.dwconv.bias, ffn.fc2.weight, ffn.fc2.bias,
+                               ffn.act.approximate)

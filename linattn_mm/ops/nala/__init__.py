@@ -1,0 +1,54 @@
+"""Kernels of NaLaFormer's norm-aware linear attention, behind one signature::
+
+    core(q, k, v, power, eps, sin=None, cos=None) -> (B, h, N, d)
+
+q, k, v (B, h, N, d) per head; ``power`` is ``lam``; ``sin``/``cos`` the 2-D RoPE (N, d) on the
+numerator features, or None.
+
+* :mod:`.reference` — the official order of operations and the paper's cos/sin kernel, the oracle
+  (``core='reference'``);
+* :mod:`.fast` — the torch kernel of the official kernel: one ``exp2`` per query element for the
+  power, the RoPE folded into the small matrices; with :mod:`.autograd`, the training Function
+  that keeps q, k, v and small matrices for its analytic backward (``core='fast'``, the default;
+  the paper's kernel: its reference recomputed in the backward);
+* :mod:`.triton` — the Triton kernel of the official kernel, CUDA inference (``core='triton'``);
+* :mod:`.chunked_cpu` — the whole layer in CPU inference, chunk by chunk (used by
+  :func:`linattn_mm.deploy.convert`).
+
+:func:`nala_attention` runs the core a mixer names.
+"""
+from ..common import core_dtype, grad_needed, no_autocast
+from ..dispatch import check_core
+from .autograd import nala_attention_fast
+from .reference import (KERNELS, apply_rope, nala_attention_reference, nala_feature_maps,
+                        nala_weights_reference, rotate_every_two)
+
+__all__ = ['nala_attention', 'nala_attention_reference', 'nala_attention_fast', 'apply_rope',
+           'rotate_every_two', 'nala_feature_maps', 'nala_weights_reference', 'KERNELS']
+
+
+def nala_attention(q, k, v, power=3., eps=1e-6, sin=None, cos=None, kernel='official',
+                   core='fast'):
+    """The NaLa core named ``core`` (``'reference'``, ``'fast'`` or ``'triton'``) for the feature
+    map ``kernel`` (``'official'`` or ``'paper'``; the paper's kernel has no Triton core). Torch
+    cores run with autocast off in float32 (float64 stays float64), as the official code; the
+    Triton core reads the inputs as they are and computes in float32. The result has the dtype of
+    ``v``."""
+    check_core('nala_attention', core)
+    if kernel != 'official' and core == 'triton':
+        raise ValueError(f"nala_attention: kernel={kernel!r} has no Triton core")
+    if core == 'triton':
+        if grad_needed(q, k, v, sin, cos):
+            raise RuntimeError("nala_attention: core='triton' is forward-only and a gradient is "
+                               "needed here; train with core='fast' or 'reference'")
+        from .triton import nala_attention_triton
+        return nala_attention_triton(q, k, v, power, eps, sin, cos, out_dtype=v.dtype)
+    work = core_dtype(q, k, v)
+    sin, cos = (None, None) if sin is None else (sin.to(work), cos.to(work))
+    with no_autocast(q.device):
+        q, k, v = q.to(work), k.to(work), v.to(work)
+        if core == 'fast':
+            out = nala_attention_fast(q, k, v, power, eps, sin, cos, kernel)
+        else:
+            out = nala_attention_reference(q, k, v, power, eps, sin, cos, kernel)
+    return out.to(v.dtype)

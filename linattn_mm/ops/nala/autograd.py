@@ -1,0 +1,158 @@
+"""Training forms of the NaLa core: autograd Functions that keep q, k, v (the projection output,
+kept anyway), the RoPE tables and a few small matrices, and recompute the feature maps in their
+backward.
+
+Official kernel, per head (:mod:`linattn_mm.ops.nala.fast`)::
+
+    c = sign(q) |q / ||q|| |^p,  p = lam (0.5 + tanh ||q||),  fq = [relu(c), relu(-c)]       (N, 2d)
+    ck = k^lam (sign kept),  fk = [relu(ck), relu(-ck)]                                       (N, 2d)
+    den = fq . mean(fk) + eps
+    no RoPE:   num = fq W,  W = fk^T v / N
+    RoPE:      num = [fq cos, fq sin] W,  W = [M ; -R(M)],  M = (A_cos + R(A_sin)) / N,
+               [A_cos ; A_sin] = [fk cos, fk sin]^T v,  R: row pairs (m0, m1) -> (-m1, m0)
+    out = num / den
+
+Backward, with ``g`` the output gradient (``R^T = -R``)::
+
+    dnum = g / den,  dden = -(g . out) / den
+    dF_q = dnum W^T,  dW = F_q^T dnum                      (F_q = fq or [fq cos, fq sin])
+    RoPE:  dM = dW_top + R(dW_bottom),  dA_cos = dM / N,  dA_sin = -R(dM) / N
+    dF_k = v dA^T,  dv = F_k dA                              (no RoPE: dA = dW / N)
+    dfq = (RoPE: dF_q cos + dF_q' sin) + dden mean(fk),   dfk = (...) + sum_i(dden_i fq_i) / N
+    keys:    dck = dfk+ [ck > 0] - dfk- [ck < 0],  dk = dck lam |k|^(lam - 1)
+    queries: G = dc c (dc from dfq as for the keys),  dp = sum_i G_i ln(|q_i| / ||q||),
+             dq = G p / q + (-p sum_i G_i / ||q|| + dp lam (1 - tanh^2 ||q||)) q / ||q||
+
+Exact zeros (a zero query element, or a zero query) give zero gradients, as in the reference.
+
+The paper's cos/sin kernel has no analytic backward here: :class:`RecomputedCore` keeps the inputs
+only and runs the reference once more under autograd in its backward (gradients exactly those of
+the reference; one more forward of the core in time).
+"""
+import math
+
+import torch
+
+from .fast import _query_terms, _key_power, _rot_rows, _with_rope, key_matrix, nala_forward
+from .reference import nala_attention_reference
+
+__all__ = ['NormAwareAttention', 'RecomputedCore', 'nala_attention_fast']
+
+_LN2 = math.log(2.)
+
+
+def _split_grad(df, x):
+    """From the gradient of ``[relu(x), relu(-x)]`` (..., 2d) to that of ``x`` (..., d)."""
+    d = x.shape[-1]
+    return torch.where(x > 0, df[..., :d], torch.where(x < 0, -df[..., d:], 0.))
+
+
+def _rope_grad(dF, sin, cos):
+    """The gradient of ``f`` from that of ``[f cos | f sin]`` (..., 4d) (inverse of
+    :func:`~linattn_mm.ops.nala.fast._with_rope`)."""
+    D = dF.shape[-1] // 2
+    d = cos.shape[-1]
+    top = dF[..., :D].unflatten(-1, (D // d, d)) * cos.unsqueeze(-2)
+    bot = dF[..., D:].unflatten(-1, (D // d, d)) * sin.unsqueeze(-2)
+    return (top + bot).flatten(-2)
+
+
+class NormAwareAttention(torch.autograd.Function):
+    """The official NaLa core with the backward of the module docstring. Inputs: q, k, v
+    (B, h, N, d), ``power``, ``eps``, ``sin``, ``cos`` (N, d) or None."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, power, eps, sin, cos):
+        out, w, k_mean = nala_forward(q, k, v, power, eps, sin, cos)
+        ctx.power, ctx.eps = power, eps
+        ctx.save_for_backward(q, k, v, sin, cos, w, k_mean)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, sin, cos, w, k_mean = ctx.saved_tensors
+        lam, rope = ctx.power, sin is not None
+        N = k.shape[-2]
+        qn, p, rel, c = _query_terms(q, lam)
+        fq = torch.cat([c.clamp_min(0), (-c).clamp_min(0)], dim=-1)
+        den = (fq @ k_mean.unsqueeze(-1)).add_(ctx.eps)  # (B, h, N, 1)
+        Fq = _with_rope(fq, sin, cos) if rope else fq
+        num = Fq @ w
+        dnum = grad / den
+        dden = -(dnum * num).sum(-1, keepdim=True) / den
+        del num, den
+        dFq, dW = dnum @ w.transpose(-2, -1), Fq.transpose(-2, -1) @ dnum
+        del Fq, dnum
+        dfq = _rope_grad(dFq, sin, cos) if rope else dFq
+        del dFq
+        dfq += dden * k_mean.unsqueeze(-2)
+        dk_mean = (dden * fq).sum(-2)  # (B, h, 2d)
+        del fq, dden
+        # keys
+        ck = _key_power(k, lam)
+        fk = torch.cat([ck.clamp_min(0), (-ck).clamp_min(0)], dim=-1)
+        if rope:
+            D = dW.shape[-2] // 2
+            dM = dW[..., :D, :] + _rot_rows(dW[..., D:, :])
+            dA = torch.cat([dM, -_rot_rows(dM)], dim=-2) * (1.0 / N)
+            Fk = _with_rope(fk, sin, cos)
+        else:
+            dA, Fk = dW * (1.0 / N), fk
+        vv = v.to(fk.dtype)
+        dv = Fk @ dA
+        dFk = vv @ dA.transpose(-2, -1)
+        del Fk, fk
+        dfk = _rope_grad(dFk, sin, cos) if rope else dFk
+        dfk += (dk_mean / N).unsqueeze(-2)
+        dck = _split_grad(dfk, ck)
+        del dfk, dFk
+        dk = dck * (3 * k * k if lam == 3 else lam * k.abs().pow(lam - 1))
+        # queries: c = sign(q) 2^(p rel), rel = log2|q| - log2||q||
+        G = _split_grad(dfq, c).mul_(c)
+        del dfq
+        nonzero = q != 0
+        dp = torch.where(nonzero, G * rel, 0.).sum(-1, keepdim=True).mul_(_LN2)
+        dq = torch.where(nonzero, G * p / q, 0.)
+        tanh = (p / lam - 0.5)
+        dqn = -p * G.sum(-1, keepdim=True) / qn + dp * lam * (1 - tanh * tanh)
+        dq += torch.where(qn > 0, dqn * q / qn, 0.)
+        return dq, dk, dv.to(v.dtype), None, None, None, None
+
+
+class RecomputedCore(torch.autograd.Function):
+    """A core that keeps only its inputs: the forward runs ``fn(*inputs)`` without a graph, the
+    backward runs it again under autograd and differentiates it (the gradients of ``fn``).
+    Arguments: ``fn``, the number of leading tensor inputs, then the inputs and other arguments."""
+
+    @staticmethod
+    def forward(ctx, fn, num_tensors, *args):
+        ctx.fn, ctx.num_tensors, ctx.rest = fn, num_tensors, args[num_tensors:]
+        ctx.save_for_backward(*args[:num_tensors])
+        with torch.no_grad():
+            return fn(*args)
+
+    @staticmethod
+    def backward(ctx, grad):
+        tensors = [t.detach().requires_grad_(need) if t is not None else None
+                   for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad[2:])]
+        with torch.enable_grad():
+            out = ctx.fn(*tensors, *ctx.rest)
+        wrt = [t for t in tensors if t is not None and t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wrt, grad, allow_unused=True))
+        res = [next(grads) if t is not None and t.requires_grad else None for t in tensors]
+        return (None, None, *res, *(None for _ in ctx.rest))
+
+
+def nala_attention_fast(q, k, v, power=3., eps=1e-6, sin=None, cos=None, kernel='official'):
+    """The NaLa core in its training form (the arguments and result of
+    :func:`~linattn_mm.ops.nala.reference.nala_attention_reference`): the official kernel through
+    :class:`NormAwareAttention` (the result is a (B, h, N, d) view of a (B, N, h, d) buffer), the
+    paper's kernel through :class:`RecomputedCore`."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f'nala_attention_fast: q, k, v must be (B, h, N, d), got '
+                         f'{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}')
+    if kernel == 'official':
+        return NormAwareAttention.apply(q, k, v, float(power), eps, sin, cos)
+    return RecomputedCore.apply(
+        lambda q_, k_, v_, s_, c_, power_, eps_, kernel_: nala_attention_reference(
+            q_, k_, v_, power_, eps_, s_, c_, kernel_), 5, q, k, v, sin, cos, power, eps, kernel)

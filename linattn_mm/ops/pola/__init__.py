@@ -1,0 +1,51 @@
+"""Kernels of PolaFormer's polarity-aware linear attention, behind one signature::
+
+    core(q, k, v, p, eps, temperature=None, k_bias=None) -> (B, h, N, d)
+
+q (B, h, N, d), k and v (B, h, n, d) per head; ``p`` the exponents (1, h, 1, d); ``temperature``
+``softplus(scale)`` (1, h, 1, d); ``k_bias`` the position encoding added to k.
+
+* :mod:`.reference` — the official order of operations, the oracle (``core='reference'``);
+* :mod:`.fast` — the torch kernel: one power per tensor, one query-side GEMM for both streams and
+  their normalisers, the temperature and ``n^-1/2`` folded; with :mod:`.autograd`, the training
+  Function that keeps only q, k, v and two small matrices per head for its analytic backward
+  (``core='fast'``, the default);
+* :mod:`.triton` — the Triton kernel, CUDA inference (``core='triton'``);
+* :mod:`.chunked_cpu` — the whole layer in CPU inference, chunk by chunk (a layer form, used by
+  :func:`linattn_mm.deploy.convert`).
+
+:func:`polarity_attention` runs the core a mixer names.
+"""
+from ..common import core_dtype, grad_needed, no_autocast
+from ..dispatch import check_core
+from .autograd import polarity_attention_fast
+from .fast import polarity_features
+from .reference import polarity_attention_reference, polarity_weights_reference
+
+__all__ = ['polarity_attention', 'polarity_attention_reference', 'polarity_attention_fast',
+           'polarity_features', 'polarity_weights_reference']
+
+_TORCH_CORES = {'reference': polarity_attention_reference, 'fast': polarity_attention_fast}
+
+
+def polarity_attention(q, k, v, p, eps=1e-6, temperature=None, k_bias=None, core='fast'):
+    """The Pola core named ``core`` (``'reference'``, ``'fast'`` or ``'triton'``).
+
+    The torch cores run with autocast off in float32 (float64 inputs stay float64): ``p`` reaches
+    ``1 + alpha``, so the powers overflow float16. The Triton core reads the inputs in their own
+    dtype and computes in float32. The result has the dtype of ``v``.
+    """
+    check_core('polarity_attention', core)
+    if core == 'triton':
+        if grad_needed(q, k, v, p, temperature, k_bias):
+            raise RuntimeError("polarity_attention: core='triton' is forward-only and a gradient "
+                               "is needed here; train with core='fast' or 'reference'")
+        from .triton import polarity_attention_triton
+        return polarity_attention_triton(q, k, v, p, eps, temperature, k_bias, out_dtype=v.dtype)
+    work = core_dtype(q, k, v)
+    with no_autocast(q.device):
+        out = _TORCH_CORES[core](
+            q.to(work), k.to(work), v.to(work), p.to(work), eps,
+            None if temperature is None else temperature.to(work),
+            None if k_bias is None else k_bias.to(work))
+    return out.to(v.dtype)

@@ -1,0 +1,160 @@
+"""The training form of the Pola core: an autograd Function that keeps for backward only q, k, v,
+the parameters and the two small (d, d + 2) matrices per head, and recomputes the polarity
+features in its backward, where the gradients are written out analytically.
+
+Forward (per head; :mod:`linattn_mm.ops.pola.fast`)::
+
+    y = (x [+ b]) / s,   a = |y|^p,   x+ = a [y > 0],   x- = a [y < 0]        (x = q or k)
+    W+ = [k+^T v_s | k-^T v_o | sum k+ | sum k-] / n,  W- = [k-^T v_s | k+^T v_o | sum k- | sum k+] / n
+    r  = q+ W+ + q- W-  = [num_s | num_o | den_s | den_o],   out = num / (den + eps)  (per stream)
+
+Backward, with ``g`` the output gradient and ``D = den + eps``::
+
+    dnum = g / D,   dden_t = -sum_{c in stream t} g_c out_c / D_t,   dR = [dnum | dden]
+    dq+ = dR W+^T,  dq- = dR W-^T,  dW+ = q+^T dR,  dW- = q-^T dR
+    dk+^T v and the key sums' gradients from dW+, dW- (the column arrangement above, / n):
+    dk+ = v dKV+^T + dks+,  dk- = v dKV-^T + dks-,  dv = k+ dKV+ + k- dKV-
+    for x = q, k:  G = da * a with da = dx+ [y > 0] + dx- [y < 0];  dy = G p / y (0 at y = 0)
+    dx = dy / s,  db = dy / s,  d(1/s) = sum dy (x [+ b]),  dp = sum G ln|y|,  ds = -d(1/s) / s^2
+
+The gradients equal the plain autograd of the reference (tests: 1e-10 relative in float64, 1e-5 in
+float32), including zeros at the ReLU boundary, where the reference's are 0 as well.
+"""
+import math
+
+import torch
+
+from ..common import numpy_log2_
+from .fast import polarity_forward, query_side
+
+__all__ = ['PolarityAttention', 'polarity_attention_fast']
+
+_LN2 = math.log(2.)
+
+
+class _PowerTerms:
+    """``y = (x + bias) * inv_scale``, ``log2|y|`` and ``a = |y|^p`` of q or k, computed once in
+    the backward for both the features (``x+ = a [y > 0]``, ``x- = a [y < 0]``) and their
+    gradients (no autograd graph)."""
+
+    def __init__(self, x, p, inv_scale, bias):
+        self.x, self.p, self.inv_scale, self.bias = x, p, inv_scale, bias
+        y = x if bias is None else x + bias
+        self.y = y * inv_scale if inv_scale is not None else y.clone()
+        self.log2 = numpy_log2_(self.y.abs())
+        a = torch.exp2(self.log2 * p).copysign_(self.y)  # signed |y|^p
+        self.pos = a.clamp_min(0)
+        self.neg = a.neg_().add_(self.pos)  # relu(c) - c == relu(-c), exactly
+
+    def features(self):
+        """``(x+, x-)``."""
+        return self.pos, self.neg
+
+    def backward(self, dpos, dneg):
+        """From the gradients of ``x+``, ``x-`` to those of ``x`` (and of the bias: the same
+        tensor, summed by the caller), of ``inv_scale`` and of ``p`` (the latter two still to be
+        summed to the parameters' shapes; ``p``'s also to be multiplied by ln 2)."""
+        g = torch.addcmul(dpos * self.pos, dneg, self.neg)  # G = da * a (x+, x- hold a)
+        nonzero = self.y != 0  # G = 0 elsewhere; 0 / 0 and 0 * log2(0) are set to 0
+        dy = torch.where(nonzero, g * self.p / self.y, 0.)
+        dp = torch.where(nonzero, g.mul_(self.log2), 0.)  # times ln 2 once summed
+        dx = dy * self.inv_scale if self.inv_scale is not None else dy
+        d_inv = None
+        if self.inv_scale is not None:
+            d_inv = dy.mul_(self.x if self.bias is None else self.x + self.bias)
+        return dx, d_inv, dp
+
+
+def _key_matrix_grads(dw_pos, dw_neg, d, n):
+    """The gradients of ``k+^T v``, ``k-^T v`` (.., d, d) and of the key sums (.., d) from those of
+    the query-side matrices ``W+``, ``W-`` (see the module docstring for their columns)."""
+    d_s = (d + 1) // 2
+    dkvp = torch.cat([dw_pos[..., :d_s], dw_neg[..., d_s:d]], dim=-1) / n
+    dkvn = torch.cat([dw_neg[..., :d_s], dw_pos[..., d_s:d]], dim=-1) / n
+    dksp = (dw_pos[..., d] + dw_neg[..., d + 1]) / n
+    dksn = (dw_pos[..., d + 1] + dw_neg[..., d]) / n
+    return dkvp, dkvn, dksp, dksn
+
+
+class PolarityAttention(torch.autograd.Function):
+    """``polarity_attention_fast`` with the lean backward of the module docstring. Inputs:
+    q (B, h, N, d), k, v (B, h, n, d), p (1, h, 1, d), eps, inv_scale (1, h, 1, d) or None,
+    k_bias broadcastable to k or None."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, p, eps, inv_scale, k_bias):
+        out, w_pos, w_neg = polarity_forward(q, k, v, p, eps, inv_scale, k_bias)
+        ctx.eps = eps
+        ctx.save_for_backward(q, k, v, p, inv_scale, k_bias, w_pos, w_neg)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, p, inv_scale, k_bias, w_pos, w_neg = ctx.saved_tensors
+        n, d = k.shape[-2], q.shape[-1]
+        d_s = (d + 1) // 2
+        # queries: recompute q+, q- and r, then the output's gradient through the division
+        q_terms = _PowerTerms(q, p, inv_scale, None)
+        qp, qn = q_terms.features()
+        r = query_side(qp, qn, w_pos, w_neg)
+        den = r[..., d:] + ctx.eps  # (B, h, N, 2)
+        den_c = torch.cat([den[..., :1].expand(*den.shape[:-1], d_s),
+                           den[..., 1:].expand(*den.shape[:-1], d - d_s)], dim=-1)
+        dnum = grad / den_c
+        prod = dnum * r[..., :d]  # g out / D
+        dden = -torch.stack([prod[..., :d_s].sum(-1), prod[..., d_s:].sum(-1)], dim=-1) / den
+        dr = torch.cat([dnum, dden], dim=-1)  # (B, h, N, d + 2)
+        del r, den, den_c, dnum, prod, dden
+        dw_pos = qp.transpose(-2, -1) @ dr
+        dw_neg = qn.transpose(-2, -1) @ dr
+        dqp, dqn = dr @ w_pos.transpose(-2, -1), dr @ w_neg.transpose(-2, -1)
+        del qp, qn, dr
+        dq, d_inv_q, dp_q = q_terms.backward(dqp, dqn)
+        del dqp, dqn, q_terms
+        # keys: k+^T v, k-^T v and the key sums
+        dkvp, dkvn, dksp, dksn = _key_matrix_grads(dw_pos, dw_neg, d, n)
+        k_terms = _PowerTerms(k, p, inv_scale, k_bias)
+        kp, kn = k_terms.features()
+        vv = v.to(kp.dtype)
+        dv = kp @ dkvp + kn @ dkvn
+        dkp = (vv @ dkvp.transpose(-2, -1)).add_(dksp.unsqueeze(-2))
+        dkn = (vv @ dkvn.transpose(-2, -1)).add_(dksn.unsqueeze(-2))
+        del kp, kn
+        dk, d_inv_k, dp_k = k_terms.backward(dkp, dkn)
+        del k_terms
+        grads_p = ((dp_q.sum_to_size(p.shape) + dp_k.sum_to_size(p.shape)).mul_(_LN2)
+                   if ctx.needs_input_grad[3] else None)
+        d_inv = None
+        if inv_scale is not None and ctx.needs_input_grad[5]:
+            d_inv = d_inv_q.sum_to_size(inv_scale.shape) + d_inv_k.sum_to_size(inv_scale.shape)
+        d_bias = dk.sum_to_size(k_bias.shape) if k_bias is not None and \
+            ctx.needs_input_grad[6] else None
+        return dq, dk, dv.to(v.dtype), grads_p, None, d_inv, d_bias
+
+
+def polarity_attention_fast(q, k, v, p, eps=1e-6, temperature=None, k_bias=None):
+    """Polarity-aware linear attention, fast form; the arguments and the result of
+    :func:`~linattn_mm.ops.pola.reference.polarity_attention_reference`.
+
+    Args:
+        q (Tensor): queries, (B, h, N, d).
+        k (Tensor): keys, (B, h, n, d).
+        v (Tensor): values, (B, h, n, d).
+        p (Tensor): exponents broadcastable to (1, h, 1, d), all >= 1.
+        eps (float): added to the (mean-normalised) denominators.
+        temperature (Tensor, optional): ``softplus(scale)`` broadcastable to (1, h, 1, d); q and
+            k are divided by it (here: multiplied by its inverse).
+        k_bias (Tensor, optional): added to ``k`` before the temperature (the position encoding,
+            broadcastable to (B, h, n, d)).
+
+    Returns:
+        Tensor: (B, h, N, d); channels ``[0, ceil(d/2))`` hold the same-signed stream, the rest the
+        opposite-signed one, as in the reference; a (B, h, N, d) view of a (B, N, h, d) buffer
+        (``transpose(1, 2).reshape(B, N, h*d)`` is then free). Gradients through
+        :class:`PolarityAttention`.
+    """
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f'polarity_attention_fast: q, k, v must be (B, h, N, d), got '
+                         f'{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}')
+    inv_scale = None if temperature is None else 1 / temperature
+    return PolarityAttention.apply(q, k, v, p, eps, inv_scale, k_bias)

@@ -1,0 +1,321 @@
+"""The lean training forms against plain autograd of the reference forms: outputs and the
+gradients of every input and parameter equal in float64 (1e-10 relative) and float32 (1e-5), for
+the attention cores (Pola; NaLa with both kernels), the FFN halves, the small lean layers and whole
+backbones (with gradient checkpointing, frozen stages, class tokens, ``la_sr_ratio``, odd sizes);
+and what the lean layers keep for backward."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from linattn_mm.models.attentions import build_attention
+from linattn_mm.models.attentions.nala import RoPE2d
+from linattn_mm.models.backbones import LinAttnPVT, LinAttnSwin, LinAttnViT
+from linattn_mm.models.backbones.nalaformer import ConvFFN, NaLaFormer
+from linattn_mm.models.utils.layers import Mlp
+from linattn_mm.ops.ffn import FFNBranch, conv_ffn_branch, ffn_branch
+from linattn_mm.ops.lean_layers import DepthwiseConvTokens, GatedLinear, NormGatedLinear
+from linattn_mm.ops.nala import nala_attention_fast, nala_attention_reference
+from linattn_mm.ops.pola import polarity_attention_fast, polarity_attention_reference
+
+TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+DTYPES = [torch.float32, torch.float64]
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def grads_of(fn, inputs, weight):
+    """``d (fn(*inputs) * weight).sum() / d input`` for every input that requires grad."""
+    leaves = [t.detach().clone().requires_grad_(t.requires_grad) if torch.is_tensor(t) else t
+              for t in inputs]
+    out = fn(*leaves)
+    (out * weight).sum().backward()
+    return out.detach(), [t.grad for t in leaves if torch.is_tensor(t) and t.requires_grad]
+
+
+def assert_same_gradients(fast, ref, inputs, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    probe = ref(*[t.detach() if torch.is_tensor(t) else t for t in inputs])
+    weight = torch.randn(probe.shape, generator=g, dtype=probe.dtype)
+    out_f, grads_f = grads_of(fast, inputs, weight)
+    out_r, grads_r = grads_of(ref, inputs, weight)
+    assert rel(out_f, out_r) < TOL[dtype]
+    assert len(grads_f) == len(grads_r) > 0
+    for i, (a, b) in enumerate(zip(grads_f, grads_r)):
+        assert a is not None and torch.isfinite(a).all(), i
+        assert a.dtype == b.dtype and a.shape == b.shape, i
+        assert rel(a, b) < TOL[dtype], (i, rel(a, b))
+
+
+def rand(*shape, dtype, g, scale=1., grad=True):
+    return (torch.randn(*shape, generator=g, dtype=dtype) * scale).requires_grad_(grad)
+
+
+# ------------------------------------------------------------------------------------------------
+# the attention cores
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('B,h,N,n,d', [(2, 3, 37, 37, 8), (1, 2, 40, 13, 7), (2, 1, 17, 17, 6)])
+@pytest.mark.parametrize('frozen', [False, True])  # exponents / temperature / PE without grads
+def test_pola_core(dtype, B, h, N, n, d, frozen):
+    g = torch.Generator().manual_seed(N)
+    q, k, v = rand(B, h, N, d, dtype=dtype, g=g), rand(B, h, n, d, dtype=dtype, g=g), \
+        rand(B, h, n, d, dtype=dtype, g=g)
+    with torch.no_grad():
+        q[0, 0, 0, :2] = 0  # the ReLU boundary: zero gradients in both forms
+    p = (1 + 4 * torch.rand(1, h, 1, d, generator=g, dtype=dtype)).requires_grad_(not frozen)
+    s = (0.5 + torch.rand(1, h, 1, d, generator=g, dtype=dtype)).requires_grad_(not frozen)
+    b = rand(1, h, n, d, dtype=dtype, g=g, scale=0.3, grad=not frozen)
+    assert_same_gradients(polarity_attention_fast, polarity_attention_reference,
+                          [q, k, v, p, 1e-6, s, b], dtype)
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('kernel', ['official', 'paper'])
+@pytest.mark.parametrize('rope,lam', [(True, 3.), (False, 3.), (True, 2.5)])
+def test_nala_core(dtype, kernel, rope, lam):
+    g = torch.Generator().manual_seed(3)
+    B, h, H, W, d = 2, 2, 5, 6, 8
+    q, k, v = (rand(B, h, H * W, d, dtype=dtype, g=g) for _ in range(3))
+    with torch.no_grad():
+        q[0, 0, 1] = 0  # a zero query
+        q[1, 1, 2, :3] = 0  # zeros inside a query
+    sin, cos = RoPE2d(d).to(dtype)((H, W)) if rope else (None, None)
+    assert_same_gradients(nala_attention_fast, nala_attention_reference,
+                          [q, k, v, lam, 1e-6, sin, cos, kernel], dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# the FFN halves and the small lean layers
+# ------------------------------------------------------------------------------------------------
+def _params_as_inputs(module, g, dtype, scale=0.3):
+    with torch.no_grad():
+        for prm in module.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=g, dtype=prm.dtype) * scale)
+    return module.to(dtype)
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('approximate', ['none', 'tanh'])
+def test_ffn_branch(dtype, approximate):
+    g = torch.Generator().manual_seed(0)
+    norm = _params_as_inputs(torch.nn.LayerNorm(12), g, dtype, 1.)
+    mlp = _params_as_inputs(Mlp(12, 37), g, dtype)
+    mlp.act.approximate = approximate
+    x = rand(2, 15, 12, dtype=dtype, g=g)
+    params = [norm.weight, norm.bias, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias]
+
+    def plain(x, *ps):
+        n = F.layer_norm(x, (12, ), ps[0], ps[1], norm.eps)
+        return F.linear(F.gelu(F.linear(n, ps[2], ps[3]), approximate=approximate), ps[4], ps[5])
+
+    def lean(x, *ps):
+        return FFNBranch.apply(x, ps[0], ps[1], norm.eps, *ps[2:], approximate)
+    assert_same_gradients(lean, plain, [x] + [p.detach().requires_grad_() for p in params], dtype)
+    # through the modules, as the blocks call it
+    y = ffn_branch(x.detach(), norm, mlp)
+    assert rel(y, plain(x.detach(), *params).detach()) < TOL[dtype]
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('bias', [True, False])
+def test_conv_ffn_branch(dtype, bias):
+    g = torch.Generator().manual_seed(1)
+    ffn = _params_as_inputs(ConvFFN(8, 24), g, dtype)
+    if not bias:
+        ffn.dwconv.bias = None
+    norm = _params_as_inputs(torch.nn.LayerNorm(8), g, dtype, 1.)
+    x = rand(2, 5, 7, 8, dtype=dtype, g=g)  # (B, H, W, C)
+    x_ref = x.detach().clone().requires_grad_()
+    w = torch.randn(2, 5, 7, 8, generator=g, dtype=dtype)
+    ref = ffn(norm(x_ref).permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+    (ref * w).sum().backward()
+    want = {n: p.grad.clone() for n, p in list(ffn.named_parameters()) +
+            [('ln.' + n, p) for n, p in norm.named_parameters()]}
+    for p in list(ffn.parameters()) + list(norm.parameters()):
+        p.grad = None
+    got = conv_ffn_branch(x, norm, ffn)
+    (got * w).sum().backward()
+    assert rel(got, ref) < TOL[dtype] and rel(x.grad, x_ref.grad) < TOL[dtype]
+    for n, p in list(ffn.named_parameters()) + [('ln.' + n, p) for n, p in
+                                                norm.named_parameters()]:
+        assert rel(p.grad, want[n]) < TOL[dtype], n
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('bias', [True, False])
+def test_small_lean_layers(dtype, bias):
+    g = torch.Generator().manual_seed(2)
+    B, H, W, C = 2, 5, 6, 8
+    v = rand(B, H * W, C, dtype=dtype, g=g)
+    wt = rand(C, 1, 5, 5, dtype=dtype, g=g, scale=0.2)
+    bt = rand(C, dtype=dtype, g=g) if bias else None
+
+    def conv_plain(v, wt, bt):
+        m = v.reshape(B, H, W, C).permute(0, 3, 1, 2)
+        return F.conv2d(m, wt, bt, padding=(2, 2), groups=C).flatten(2).transpose(1, 2)
+    assert_same_gradients(lambda v, wt, bt: DepthwiseConvTokens.apply(v, (H, W), wt, bt, (2, 2)),
+                          conv_plain, [v, wt, bt] if bias else [v, wt, None], dtype)
+    s, gate = rand(B, 7, C, dtype=dtype, g=g), rand(B, 7, C, dtype=dtype, g=g)
+    lw = rand(5, C, dtype=dtype, g=g)
+    lb = rand(5, dtype=dtype, g=g) if bias else None
+    assert_same_gradients(GatedLinear.apply, lambda s, gt, w, b: F.linear(s * gt, w, b),
+                          [s, gate, lw, lb], dtype)
+    nw, nb = 1 + rand(C, dtype=dtype, g=g, scale=0.1), rand(C, dtype=dtype, g=g, scale=0.1)
+    assert_same_gradients(
+        lambda s, nw, nb, gt, w, b: NormGatedLinear.apply(s, nw, nb, 1e-5, gt, w, b),
+        lambda s, nw, nb, gt, w, b: F.linear(F.layer_norm(s, (C, ), nw, nb, 1e-5) * F.silu(gt),
+                                             w, b), [s, nw, nb, gate, lw, lb], dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# whole backbones: the default (lean) training forms against every core set to 'reference'
+# ------------------------------------------------------------------------------------------------
+POLA_L = dict(type='PolaLinearAttention', qkv_layout='qkvg')
+WIN = dict(type='WindowSoftmaxAttention', window_size=4)
+NALA = dict(type='NormAwareLinearAttention')
+SOFT = dict(type='NaLaSoftmaxAttention')
+SMALL_PVT = dict(embed_dims=[16, 32, 40, 64], depths=[1, 1, 1, 1], num_heads=[1, 2, 5, 8],
+                 mlp_ratios=[2, 2, 2, 2], sr_ratios=[8, 4, 2, 1])
+BACKBONES = {
+    'pola-swin': lambda **kw: LinAttnSwin(arch=dict(embed_dims=24, depths=[1, 1, 2, 1],
+                                                    num_heads=[3, 3, 6, 12]),
+                                          attn_cfg=[POLA_L, POLA_L, WIN, WIN],
+                                          pretrain_img_size=64, drop_path_rate=0., **kw),
+    'pola-pvt la_sr 2': lambda **kw: LinAttnPVT(
+        arch=SMALL_PVT, attn_cfg=dict(type='PolaLinearAttention', la_sr_ratio=2),
+        pretrain_img_size=64, drop_path_rate=0., **kw),
+    'pola-deit class token': lambda **kw: LinAttnViT(
+        arch=dict(embed_dims=48, depth=4, num_heads=3), attn_cfg=dict(POLA_L, use_pos_enc=False),
+        pretrain_img_size=64, drop_path_rate=0., **kw),
+    'nalaformer released': lambda **kw: NaLaFormer(
+        arch=dict(embed_dims=[16, 32, 32, 64], depths=[1, 2, 1, 1], num_heads=[1, 2, 2, 4],
+                  mlp_ratios=[2, 2, 2, 2], layer_scale_init_values=[0.5] * 4),
+        drop_path_rate=0., **kw),
+    'padre-pvt degree 3': lambda **kw: LinAttnPVT(
+        arch=SMALL_PVT, attn_cfg=dict(type='PADReMixer', degree=3, kernel_size=5),
+        pretrain_img_size=64, drop_path_rate=0., **kw),
+    'poly-swin windows': lambda **kw: LinAttnSwin(
+        arch=dict(embed_dims=24, depths=[1, 1, 2, 1], num_heads=[3, 3, 6, 12]),
+        attn_cfg=dict(type='PolySelfAttention', window_size=4), pretrain_img_size=64,
+        drop_path_rate=0., **kw),
+    'poly-deit class token': lambda **kw: LinAttnViT(
+        arch=dict(embed_dims=48, depth=4, num_heads=3), attn_cfg=dict(type='PolySelfAttention'),
+        pretrain_img_size=64, drop_path_rate=0., **kw),
+    'setformer-pvt': lambda **kw: LinAttnPVT(
+        arch=SMALL_PVT, attn_cfg=dict(type='SeTAttention', num_refs=16, num_iters=5, eps=0.3),
+        pretrain_img_size=64, drop_path_rate=0., **kw),
+    'nalaformer paper kernel': lambda **kw: NaLaFormer(
+        arch=dict(embed_dims=[16, 32, 32, 64], depths=[1, 1, 1, 1], num_heads=[1, 2, 2, 4],
+                  mlp_ratios=[2, 2, 2, 2]),
+        attn_cfg=[dict(NALA, kernel='paper')] * 2 + [SOFT] * 2, drop_path_rate=0., **kw),
+}
+
+
+def reference_copy(net):
+    """A copy of ``net`` with every mixer and FFN core set to ``'reference'``."""
+    ref = copy.deepcopy(net)
+    for m in ref.modules():
+        for attr in ('core', 'ffn_core'):
+            if isinstance(getattr(m, attr, None), str):
+                setattr(m, attr, 'reference')
+    return ref
+
+
+def randomise_(net, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            leaf = name.rsplit('.', 1)[-1]
+            if leaf in ('power', 'scale', 'positional_encoding') or 'gamma' in leaf:
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    return net
+
+
+@pytest.mark.parametrize('name', sorted(BACKBONES))
+@pytest.mark.parametrize('with_cp', [False, True])
+def test_backbone_gradients_equal_the_reference_forms(name, with_cp):
+    kw = dict(with_cp=with_cp, frozen_stages=1) if with_cp else {}
+    torch.manual_seed(0)
+    net = randomise_(BACKBONES[name](**kw)).double().train()
+    ref = reference_copy(net)
+    assert any(getattr(m, 'core', None) == 'fast' for m in net.modules())
+    x = torch.randn(2, 3, 57, 71, dtype=torch.float64)  # odd sizes: padding in every skeleton
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    outs_f, outs_r = net(xa), ref(xb)
+    ws = [torch.randn_like(o) for o in outs_f]
+    sum((o * w).sum() for o, w in zip(outs_f, ws)).backward()
+    sum((o * w).sum() for o, w in zip(outs_r, ws)).backward()
+    for a, b in zip(outs_f, outs_r):
+        assert rel(a.detach(), b.detach()) < 1e-10
+    assert rel(xa.grad, xb.grad) < 1e-10
+    grads_r = dict(ref.named_parameters())
+    # relative to the largest gradient of the tensor or, for gradients that are zero in exact
+    # arithmetic (a conv bias before a training-mode BatchNorm), of the whole network
+    scale = max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)
+    for n, p in net.named_parameters():
+        want = grads_r[n].grad
+        if want is None:
+            assert p.grad is None, n
+            continue
+        err = (p.grad - want).abs().max().item()
+        assert err < 1e-10 * max(want.abs().max().item(), 1e-4 * scale), (n, err)
+    if with_cp:  # the first stage is frozen: its parameters get no gradient
+        frozen = [p for m in net.stage_modules(0) for p in
+                  ([m] if isinstance(m, torch.nn.Parameter) else m.parameters())]
+        assert frozen and all(not p.requires_grad and p.grad is None for p in frozen)
+
+
+# ------------------------------------------------------------------------------------------------
+# what the lean layers keep for backward
+# ------------------------------------------------------------------------------------------------
+def saved_bytes(fn, params=()):
+    """Bytes of the distinct storages autograd keeps for backward while ``fn()`` runs, the
+    storages of ``params`` (the weights) left out."""
+    seen, skip = {}, {p.untyped_storage().data_ptr() for p in params}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize('cfg', [dict(type='PolaLinearAttention', qkv_layout='qkvg'), NALA])
+def test_lean_mixer_keeps_the_projection_and_a_few_token_maps(cfg):
+    """The lean mixer keeps its input, the projection output (4C a token), one token map for the
+    gated output, the RoPE tables (NaLa) and per-head matrices, not the feature maps: less than
+    7 token maps of C floats, where the reference keeps over 15."""
+    C, h, H, W = 32, 4, 32, 32
+    m = build_attention(cfg, embed_dims=C, num_heads=h, pretrain_hw=(H, W))
+    x = torch.randn(1, H * W, C, requires_grad=True)
+    token_map = H * W * C * 4
+    lean = saved_bytes(lambda: m(x, (H, W)), m.parameters()) / token_map
+    m_ref = reference_copy(m)
+    full = saved_bytes(lambda: m_ref(x, (H, W)), m_ref.parameters()) / token_map
+    assert lean < 7 < 15 < full, (lean, full)
+
+
+@pytest.mark.parametrize('B,C,H,W,k', [(1, 24, 50, 37, 5), (2, 8, 5, 6, 5), (1, 4, 3, 9, 7),
+                                       (3, 16, 20, 11, 5), (1, 6, 1, 12, 5)])
+def test_depthwise_weight_grad_in_bands(B, C, H, W, k):
+    """The weight gradient of a depth-wise conv as a forward conv of the padded input with the
+    gradient as kernel, in bands of rows, against the float64 conv backward."""
+    from linattn_mm.ops.lean_layers import depthwise_weight_grad
+    g = torch.Generator().manual_seed(B * H)
+    x = torch.randn(B, C, H, W, generator=g, dtype=torch.float64)
+    grad = torch.randn(B, C, H, W, generator=g, dtype=torch.float64)
+    w = torch.randn(C, 1, k, k, generator=g, dtype=torch.float64)
+    want = torch.ops.aten.convolution_backward(grad, x, w, None, [1, 1], [k // 2] * 2, [1, 1],
+                                               False, [0, 0], C, [False, True, False])[1]
+    cl = torch.channels_last
+    got = depthwise_weight_grad(grad.float().contiguous(memory_format=cl),
+                                x.float().contiguous(memory_format=cl), k, k // 2)
+    assert got.shape == want.shape and rel(got.double(), want) < 1e-6
+    assert rel(depthwise_weight_grad(grad, x, k, k // 2), want) < 1e-12
