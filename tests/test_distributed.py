@@ -1,11 +1,14 @@
 """tools/dist_train.sh with 2 CPU processes (gloo) gives the same weights as one process with the
 same global batch: DDP averages the two half-batch gradients into the full-batch gradient, and the
-distributed sampler splits each global batch between the ranks."""
+distributed sampler splits each global batch between the ranks. Run for a stock backbone and for a
+Pola one in its default training form (the lean autograd Functions of the core, conv term, gated
+projection and FFN)."""
 import os
 import os.path as osp
 import subprocess
 import sys
 
+import pytest
 import torch
 from conftest import CONFIGS, REPO, run_tool
 
@@ -27,11 +30,12 @@ def _weights(path):
         return torch.load(path, map_location='cpu', weights_only=True)['state_dict']
 
 
-def test_two_process_training_matches_one_process(demo_data, tmp_path):
+@pytest.mark.parametrize('config', ['pvtv2/pvtv2-b0_in1k.py', 'polaformer/pola-pvt-t_in1k.py'])
+def test_two_process_training_matches_one_process(demo_data, tmp_path, config):
     cfg = tmp_path / 'dist_cfg.py'
     # the classifier on the demo data: the one-file config of the demo overlay (the mim route)
-    base = write_demo_config(osp.join(CONFIGS, 'pvtv2', 'pvtv2-b0_in1k.py'),
-                             str(tmp_path / 'pvtv2-b0_in1k_demo.py'))
+    name = osp.splitext(osp.basename(config))[0]
+    base = write_demo_config(osp.join(CONFIGS, config), str(tmp_path / f'{name}_demo.py'))
     cfg.write_text(CONFIG.format(base=base))
     one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
     run_tool(['tools/train.py', str(cfg), '--work-dir', one,
