@@ -1,4 +1,5 @@
-"""Shared helpers: demo data, running the tools, short-run options for any demo config."""
+"""Shared helpers: demo data, running the tools, short-run options for any config (on the demo data
+through the demo overlay, ``--demo``)."""
 import json
 import os
 import os.path as osp
@@ -31,11 +32,11 @@ def session_tmpdir(tmp_path_factory):
 
 @pytest.fixture(scope='session')
 def demo_data():
-    """The demo data under the repository's data/demo (the demo configs' standard data root).
+    """The demo data under the repository's data/demo (the demo overlay's standard data root).
     Generated once; a file lock keeps parallel test workers from writing it at the same time."""
     from filelock import FileLock
 
-    from linattn_mm.demo_data import make_demo_data
+    from linattn_mm.demo import make_demo_data
     root = osp.join(REPO, 'data', 'demo')
     os.makedirs(root, exist_ok=True)
     with FileLock(osp.join(root, '.generate.lock')):
@@ -202,20 +203,30 @@ def tool_main(name):
     return fresh_main
 
 
-def train_and_test_inprocess(config, work_dir):
-    """tools/train.py then tools/test.py (their main functions, in this process) for a short run.
-    Returns the test metrics."""
+def demo_form(config):
+    """The config file ``config`` with the demo overlay applied (what ``--demo`` runs)."""
     from mmengine.config import Config
-    cfg = Config.fromfile(config)
+
+    from linattn_mm.demo import apply_demo
+    return apply_demo(Config.fromfile(config))
+
+
+def train_and_test_inprocess(config, work_dir, demo=False):
+    """tools/train.py then tools/test.py (their main functions, in this process) for a short run
+    (with ``--demo`` when ``demo``). Returns the test metrics and the metric keys to check."""
+    from mmengine.config import Config
+    cfg = demo_form(config) if demo else Config.fromfile(config)
     train_opts, test_opts, keys = short_run_options(cfg)
-    tool_main('train')([config, '--work-dir', work_dir, '--cfg-options'] + train_opts)
+    flags = ['--demo'] if demo else []
+    tool_main('train')([config, '--work-dir', work_dir] + flags + ['--cfg-options'] + train_opts)
     with open(osp.join(work_dir, 'last_checkpoint')) as f:
         ckpt = f.read().strip()
     import io
     from contextlib import redirect_stdout
     buf = io.StringIO()
     with redirect_stdout(buf):
-        tool_main('test')([config, ckpt, '--work-dir', work_dir, '--cfg-options'] + test_opts)
+        tool_main('test')([config, ckpt, '--work-dir', work_dir] + flags + ['--cfg-options'] +
+                          test_opts)
     metrics = metrics_of(buf.getvalue())
     return metrics, keys
 

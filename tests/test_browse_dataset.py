@@ -1,5 +1,6 @@
 """tools/browse_dataset.py on the generated demo data: one PNG per sample at the pipeline's image
-size, with the ground truth drawn (boxes and masks, the blended label map, the class name)."""
+size, with the ground truth drawn (boxes and masks, the blended label map, the class name). The
+configs are put on the demo data by ``--demo`` (the demo overlay)."""
 import os.path as osp
 
 import numpy as np
@@ -8,15 +9,15 @@ from conftest import CONFIGS, REPO, tool_main
 
 N = 3
 CASES = {
-    'det': 'pvtv2/mask-rcnn_pvtv2-b0_fpn_1x_coco_demo.py',
-    'seg': 'pvtv2/fpn_pvtv2-b0_8xb4-40k_ade20k-512x512_demo.py',
-    'cls': 'pvtv2/pvtv2-b0_in1k_demo.py',
+    'det': 'pvtv2/mask-rcnn_pvtv2-b0_fpn_1x_coco.py',
+    'seg': 'pvtv2/fpn_pvtv2-b0_8xb4-40k_ade20k-512x512.py',
+    'cls': 'pvtv2/pvtv2-b0_in1k.py',
 }
 
 
 def _browse(kind, out_dir, monkeypatch, phase='train'):
-    monkeypatch.chdir(REPO)  # the demo configs' data roots are relative to the repository
-    records = tool_main('browse_dataset')([osp.join(CONFIGS, CASES[kind]), '--output-dir',
+    monkeypatch.chdir(REPO)  # the demo overlay's data root is relative to the repository
+    records = tool_main('browse_dataset')([osp.join(CONFIGS, CASES[kind]), '--demo', '--output-dir',
                                            str(out_dir), '--max-images', str(N), '--seed', '0',
                                            '--phase', phase])
     assert len(records) == N

@@ -95,7 +95,7 @@ def test_launcher_defaults_select_the_cpu_wrapper():
         pytest.skip('CPU-only behaviour')
     from mmengine.config import Config
 
-    from linattn_mm.runner import apply_launcher_defaults
+    from linattn_mm.cli import apply_launcher_defaults
     cfg = apply_launcher_defaults(Config(dict(launcher='slurm')))
     assert cfg.model_wrapper_cfg == dict(type='CPUDistributedDataParallel', device_ids=None)
     assert cfg.env_cfg.dist_cfg.backend == 'gloo'

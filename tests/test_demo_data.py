@@ -1,4 +1,4 @@
-"""Tests for linattn_mm.demo_data (synthetic COCO / ADE20K / ImageNet demo datasets)."""
+"""Tests for linattn_mm.demo's data generator (synthetic COCO / ADE20K / ImageNet demo datasets)."""
 import hashlib
 import importlib
 import importlib.util
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw, ImageFilter
 
-from linattn_mm.demo_data import COCO_SHAPE_COLOURS, STAMP_NAME, make_demo_data
+from linattn_mm.demo import COCO_SHAPE_COLOURS, STAMP_NAME, make_demo_data
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_TRAIN, NUM_VAL = 4, 3

@@ -1,19 +1,24 @@
 """tools/dist_train.sh with 2 CPU processes (gloo) gives the same weights as one process with the
 same global batch: DDP averages the two half-batch gradients into the full-batch gradient, and the
-distributed sampler splits each global batch between the ranks."""
+distributed sampler splits each global batch between the ranks. Run for a stock backbone and for a
+Pola one in its default training form (the lean autograd Functions of the core, conv term, gated
+projection and FFN)."""
 import os
 import os.path as osp
 import subprocess
 import sys
 
+import pytest
 import torch
 from conftest import CONFIGS, REPO, run_tool
 
 from linattn_mm.checkpoint import safe_globals
+from linattn_mm.demo import write_demo_config
 
 CONFIG = '''
 _base_ = ['{base}']
-train_dataloader = dict(dataset=dict(indices=16, pipeline={{{{_base_.demo_test_pipeline}}}}))
+train_dataloader = dict(dataset=dict(
+    indices=16, pipeline={{{{_base_.test_dataloader.dataset.pipeline}}}}))
 model = dict(backbone=dict(drop_path_rate=0.0), train_cfg=None)
 train_cfg = dict(max_epochs=1, val_interval=100)
 randomness = dict(seed=0, deterministic=True)
@@ -25,9 +30,13 @@ def _weights(path):
         return torch.load(path, map_location='cpu', weights_only=True)['state_dict']
 
 
-def test_two_process_training_matches_one_process(demo_data, tmp_path):
+@pytest.mark.parametrize('config', ['pvtv2/pvtv2-b0_in1k.py', 'polaformer/pola-pvt-t_in1k.py'])
+def test_two_process_training_matches_one_process(demo_data, tmp_path, config):
     cfg = tmp_path / 'dist_cfg.py'
-    cfg.write_text(CONFIG.format(base=osp.join(CONFIGS, 'pvtv2', 'pvtv2-b0_in1k_demo.py')))
+    # the classifier on the demo data: the one-file config of the demo overlay (the mim route)
+    name = osp.splitext(osp.basename(config))[0]
+    base = write_demo_config(osp.join(CONFIGS, config), str(tmp_path / f'{name}_demo.py'))
+    cfg.write_text(CONFIG.format(base=base))
     one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
     run_tool(['tools/train.py', str(cfg), '--work-dir', one,
               '--cfg-options', 'train_dataloader.batch_size=4'])

@@ -15,9 +15,10 @@ its sub-command and every flag it writes are kept (:func:`_assert_same_tool_and_
 paths, sizes and budgets shrink:
 
 * ``.venv/bin/python`` / ``python`` -> the interpreter running the tests;
-* a real-data config ``configs/X/NAME.py`` -> its ``configs/X/NAME_demo.py`` counterpart, with the
-  ``--cfg-options`` of ``conftest.short_run_options``: one training iteration on 2 demo images, a
-  test pass on 2 images, no optimizer state in the checkpoint;
+* a real-data config ``configs/X/NAME.py`` -> the same config with ``--demo`` (the demo overlay:
+  the generated demo data, its schedule, no pretrained file) and the ``--cfg-options`` of
+  ``conftest.short_run_options``: one training iteration on 2 demo images, a test pass on 2 images,
+  no optimizer state in the checkpoint;
 * outputs (``--work-dir``, ``--out``, ``--output-dir``, ``--out-dir``, ``--json``, ``--plot``)
   -> the test's tmp_path; the placeholders ``CONFIG`` / ``CHECKPOINT`` -> a demo config / the
   checkpoint an earlier command of the same case wrote; ``[...]`` optional arguments are given;
@@ -39,7 +40,7 @@ import time
 from dataclasses import dataclass
 
 import pytest
-from conftest import CONFIGS, REPO, metrics_of, short_run_options
+from conftest import CONFIGS, REPO, demo_form, metrics_of, short_run_options
 
 TIMEOUT = 600  # seconds per command (the runs take 5-60 s on an idle 2-core machine)
 DOC_FILES = ['README.md', 'docs/*.md', 'docs/model_zoo/*.md']
@@ -115,14 +116,14 @@ class Exempt:
     reason: str
 
 
-_SHORT = ('demo config + short_run_options (1 training iteration on 2 images, no validation); '
+_SHORT = ('--demo + short_run_options (1 training iteration on 2 images, no validation); '
           '--work-dir tmp')
 TABLE = {
     # ---- README.md
     'bash tools/demo.sh':
         Run('demo_sh', 'bash tools/demo.sh CONFIG --cfg-options ...: CONFIG is a tmp config that '
-            'inherits the default demo config (Mask R-CNN PVTv2-b0) and cuts its test pass to 2 '
-            'images (demo.sh passes extra args to train.py only); --cfg-options cut training to 1 '
+            'inherits the default config (the tiny Pola NAT Mask R-CNN) and cuts its test pass to '
+            '2 images (demo.sh passes extra args to train.py only); --cfg-options cut training to 1 '
             'iteration on 2 images; data root data/demo as demo.sh uses it; LINATTN_VENV -> a '
             'wrapper of the test interpreter with a matching bootstrap stamp, so bootstrap.sh '
             'takes its reuse path and never installs; the work dir (work_dirs/demo/<tmp config '
@@ -133,28 +134,42 @@ TABLE = {
         Run('readme_train_test', _SHORT),
     '.venv/bin/python tools/test.py configs/swin/mask-rcnn_swin-t_fpn_1x_coco.py '
     'work_dirs/.../epoch_12.pth':
-        Run('readme_train_test', 'demo config, test on 2 images; the checkpoint is the one the '
+        Run('readme_train_test', '--demo, test on 2 images; the checkpoint is the one the '
             'train command of this case wrote; --work-dir tmp'),
     'bash tools/dist_train.sh configs/swin/upernet_swin-t_8xb2-160k_ade20k-512x512.py 8':
-        Run('readme_dist_train', 'demo config, 8 -> 2 processes (gloo), short_run_options, '
+        Run('readme_dist_train', '--demo, 8 -> 2 processes (gloo), short_run_options, '
             '--work-dir tmp'),
     # ---- docs/get_started.md
     'bash tools/dist_train.sh configs/swin/swin-t_in1k.py 8':
-        Run('pretrain_finetune', 'demo config, 8 -> 2 processes (gloo), short_run_options, '
+        Run('pretrain_finetune', '--demo, 8 -> 2 processes (gloo), short_run_options, '
             '--work-dir tmp'),
     '.venv/bin/python tools/train.py configs/swin/mask-rcnn_swin-t_fpn_1x_coco.py --cfg-options '
     'model.backbone.init_cfg.checkpoint=work_dirs/swin-t_in1k/epoch_300.pth':
         Run('pretrain_finetune', _SHORT + '; the checkpoint is the one the dist_train command of '
             'this case wrote; model.backbone.init_cfg._delete_=True and '
-            'model.backbone.init_cfg.type=Pretrained added because the demo configs set '
+            'model.backbone.init_cfg.type=Pretrained added because the demo overlay sets '
             'init_cfg=None (the real config has the Pretrained dict the doc option edits)'),
     '.venv/bin/python tools/test.py CONFIG CHECKPOINT [--out results.pkl] [--show-dir vis]':
-        Run('readme_train_test', 'CONFIG: the Mask R-CNN Swin-T demo config, CHECKPOINT: the one '
-            'the README train command wrote; both optional arguments given (--out tmp/results.pkl'
+        Run('readme_train_test', 'CONFIG: the Mask R-CNN Swin-T config and --demo, CHECKPOINT: '
+            'the one the README train command wrote; both optional arguments given (--out tmp/results.pkl'
             ', --show-dir vis); test on 2 images; --work-dir tmp'),
     'bash tools/dist_train.sh CONFIG 8':
-        Run('dist_train_config', 'CONFIG: configs/pvtv2/pvtv2-b0_in1k_demo.py, 8 -> 2 '
+        Run('dist_train_config', 'CONFIG: configs/pvtv2/pvtv2-b0_in1k.py and --demo, 8 -> 2 '
             'processes (gloo), short_run_options, --work-dir tmp'),
+    '.venv/bin/python tools/make_demo_data.py':
+        Run('demo_overlay', 'unchanged (the demo data the tests use; up to date, so skipped)'),
+    '.venv/bin/python tools/train.py configs/swin/mask-rcnn_swin-t_fpn_1x_coco.py --demo':
+        Run('demo_overlay', 'short_run_options; --work-dir tmp'),
+    '.venv/bin/python tools/test.py configs/swin/mask-rcnn_swin-t_fpn_1x_coco.py '
+    'work_dirs/mask-rcnn_swin-t_fpn_1x_coco_demo/epoch_12.pth --demo':
+        Run('demo_overlay', 'test on 2 images; the checkpoint is the one the train command of '
+            'this case wrote; --work-dir tmp'),
+    '.venv/bin/python -m linattn_mm.demo configs/swin/mask-rcnn_swin-t_fpn_1x_coco.py -o '
+    'work_dirs/mask-rcnn_swin-t_fpn_1x_coco_demo.py':
+        Run('demo_config_mim', '-o tmp/mask-rcnn_swin-t_fpn_1x_coco_demo.py'),
+    'mim train mmdet work_dirs/mask-rcnn_swin-t_fpn_1x_coco_demo.py --gpus 0':
+        Run('demo_config_mim', 'the config the previous command of this case wrote; --work-dir '
+            'tmp and the --cfg-options of short_run_options appended'),
     'NNODES=2 NODE_RANK=0 MASTER_ADDR=host0 bash tools/dist_train.sh CONFIG 8':
         Exempt('multi-node: needs a second host (the single-node path of the same script is '
                'run by the dist_train cases)'),
@@ -173,7 +188,7 @@ TABLE = {
         Exempt('about 40 minutes on 2 cores (a benchmark); tests/test_learning_check.py runs this tool '
                'with --iters 2 on two families of both tasks and checks the section it writes'),
     '.venv/bin/python tools/browse_dataset.py '
-    'configs/pvtv2/mask-rcnn_pvtv2-b0_fpn_1x_coco_demo.py --output-dir work_dirs/browse '
+    'configs/pvtv2/mask-rcnn_pvtv2-b0_fpn_1x_coco.py --demo --output-dir work_dirs/browse '
     '--max-images 4':
         Run('browse_dataset', '--output-dir tmp'),
     '.venv/bin/python tools/visualize_attention.py --out-dir work_dirs/attention':
@@ -229,20 +244,12 @@ TABLE = {
     # ---- docs/new_detector_config.md
     '.venv/bin/python tools/train.py configs/mine/atss_swin-t_fpn_1x_coco.py':
         Run('new_detector_config', 'run in tmp: configs/mine/atss_swin-t_fpn_1x_coco.py is the '
-            "doc's python block verbatim, with the demo COCO base added to its _base_ and the "
-            'demo dataloaders (absolute data root) appended; its pretrained file '
-            "checkpoints/swin_tiny_patch4_window7_224.pth is {'model': swin-t backbone state "
-            "dict} written by the test; tools/train.py by absolute path; short_run_options"),
+            "doc's python block verbatim and tmp/data/demo links to the repository's demo data; "
+            '--demo appended, then --cfg-options that put the doc\'s Pretrained init_cfg back '
+            '(the demo overlay sets init_cfg=None) and those of short_run_options; its pretrained '
+            "file checkpoints/swin_tiny_patch4_window7_224.pth is {'model': swin-t backbone state "
+            "dict} written by the test; tools/train.py by absolute path"),
 }
-
-SUBSTITUTED_CONFIGS = {
-    'configs/swin/mask-rcnn_swin-t_fpn_1x_coco.py':
-        'configs/swin/mask-rcnn_swin-t_fpn_1x_coco_demo.py',
-    'configs/swin/upernet_swin-t_8xb2-160k_ade20k-512x512.py':
-        'configs/swin/upernet_swin-t_8xb2-160k_ade20k-512x512_demo.py',
-    'configs/swin/swin-t_in1k.py': 'configs/swin/swin-t_in1k_demo.py',
-}
-
 
 # ------------------------------------------------------------------------------------------------
 # running a doc command
@@ -326,9 +333,10 @@ class Shell:
         return out
 
 
-def _cfg_options(config):
+def _cfg_options(config, demo=False):
+    """short_run_options of ``config`` (in its demo form, what ``--demo`` runs, when ``demo``)."""
     from mmengine.config import Config
-    return short_run_options(Config.fromfile(config))
+    return short_run_options(demo_form(config) if demo else Config.fromfile(config))
 
 
 def _last_checkpoint(work_dir):
@@ -379,9 +387,9 @@ _PRETRAINED = re.compile(r"Pretrained checkpoint '([^']*)' \(state dict from '[^
 # ------------------------------------------------------------------------------------------------
 def case_demo_sh(sh, tmp_path):
     cmd = 'bash tools/demo.sh'
-    default = osp.join(CONFIGS, 'polaformer', 'mask-rcnn_pola-nat-tiny_fpn_300it_coco_demo.py')
-    train_opts, test_opts, keys = _cfg_options(default)
-    name = f'mask-rcnn_pola-nat-tiny_fpn_300it_coco_demo_doctest{os.getpid()}'
+    default = osp.join(CONFIGS, 'polaformer', 'mask-rcnn_pola-nat-tiny_fpn_300it_coco.py')
+    train_opts, test_opts, keys = _cfg_options(default, demo=True)
+    name = f'mask-rcnn_pola-nat-tiny_fpn_300it_coco_doctest{os.getpid()}'
     config = tmp_path / f'{name}.py'
     # demo.sh gives its extra arguments to train.py only: the tmp config cuts the test pass
     config.write_text(
@@ -423,23 +431,22 @@ def case_readme_train_test(sh, tmp_path):
             'work_dirs/.../epoch_12.pth')
     test2 = '.venv/bin/python tools/test.py CONFIG CHECKPOINT [--out results.pkl] [--show-dir vis]'
     full = 'configs/swin/mask-rcnn_swin-t_fpn_1x_coco.py'
-    demo = SUBSTITUTED_CONFIGS[full]
-    train_opts, test_opts, keys = _cfg_options(osp.join(REPO, demo))
+    train_opts, test_opts, keys = _cfg_options(osp.join(REPO, full), demo=True)
     work = str(tmp_path / 'work')
-    out = sh(train, doc_argv(train, replace={full: demo},
-                             append=['--work-dir', work, '--cfg-options'] + train_opts))
+    out = sh(train, doc_argv(train, append=['--demo', '--work-dir', work, '--cfg-options'] +
+                             train_opts))
     assert 'Saving checkpoint' in out
     ckpt = _last_checkpoint(work)
-    out = sh(test, doc_argv(test, replace={full: demo, 'work_dirs/.../epoch_12.pth': ckpt},
-                            append=['--work-dir', work, '--cfg-options'] + test_opts))
+    out = sh(test, doc_argv(test, replace={'work_dirs/.../epoch_12.pth': ckpt},
+                            append=['--demo', '--work-dir', work, '--cfg-options'] + test_opts))
     metrics = metrics_of(out)
     assert set(keys) <= set(metrics) and 'coco/bbox_mAP' in metrics, metrics
     for k in keys:
         assert 0.0 <= metrics[k] <= 100.0, (k, metrics)
     pkl = str(tmp_path / 'results.pkl')
-    out = sh(test2, doc_argv(test2, replace={'CONFIG': demo, 'CHECKPOINT': ckpt},
+    out = sh(test2, doc_argv(test2, replace={'CONFIG': full, 'CHECKPOINT': ckpt},
                              values={'--out': [pkl]},
-                             append=['--work-dir', work, '--cfg-options'] + test_opts))
+                             append=['--demo', '--work-dir', work, '--cfg-options'] + test_opts))
     assert 'coco/bbox_mAP' in metrics_of(out)
     assert osp.getsize(pkl) > 0
     drawn = glob.glob(osp.join(work, '*', 'vis', '*'))  # --show-dir: work_dir/timestamp/vis
@@ -449,11 +456,10 @@ def case_readme_train_test(sh, tmp_path):
 def case_readme_dist_train(sh, tmp_path):
     cmd = 'bash tools/dist_train.sh configs/swin/upernet_swin-t_8xb2-160k_ade20k-512x512.py 8'
     full = 'configs/swin/upernet_swin-t_8xb2-160k_ade20k-512x512.py'
-    demo = SUBSTITUTED_CONFIGS[full]
-    train_opts, _, _ = _cfg_options(osp.join(REPO, demo))
+    train_opts, _, _ = _cfg_options(osp.join(REPO, full), demo=True)
     work = str(tmp_path / 'work')
-    out = sh(cmd, doc_argv(cmd, replace={full: demo, '8': '2'},
-                           append=['--work-dir', work, '--cfg-options'] + train_opts),
+    out = sh(cmd, doc_argv(cmd, replace={'8': '2'},
+                           append=['--demo', '--work-dir', work, '--cfg-options'] + train_opts),
              env=_dist_env(29531))
     assert 'Saving checkpoint' in out
     keys = _state_dict_keys(_last_checkpoint(work))
@@ -467,20 +473,19 @@ def case_pretrain_finetune(sh, tmp_path):
             '--cfg-options model.backbone.init_cfg.checkpoint=work_dirs/swin-t_in1k/epoch_300.pth')
     cls_full = 'configs/swin/swin-t_in1k.py'
     det_full = 'configs/swin/mask-rcnn_swin-t_fpn_1x_coco.py'
-    cls_demo, det_demo = SUBSTITUTED_CONFIGS[cls_full], SUBSTITUTED_CONFIGS[det_full]
     cls_work, det_work = str(tmp_path / 'in1k'), str(tmp_path / 'det')
-    train_opts, _, _ = _cfg_options(osp.join(REPO, cls_demo))
-    sh(pre, doc_argv(pre, replace={cls_full: cls_demo, '8': '2'},
-                     append=['--work-dir', cls_work, '--cfg-options'] + train_opts),
+    train_opts, _, _ = _cfg_options(osp.join(REPO, cls_full), demo=True)
+    sh(pre, doc_argv(pre, replace={'8': '2'},
+                     append=['--demo', '--work-dir', cls_work, '--cfg-options'] + train_opts),
        env=_dist_env(29532))
     ckpt = _last_checkpoint(cls_work)
-    train_opts, _, _ = _cfg_options(osp.join(REPO, det_demo))
+    train_opts, _, _ = _cfg_options(osp.join(REPO, det_full), demo=True)
     out = sh(fine, doc_argv(
-        fine, replace={det_full: det_demo},
+        fine,
         values={'--cfg-options': [f'model.backbone.init_cfg.checkpoint={ckpt}',
                                   'model.backbone.init_cfg._delete_=True',
                                   'model.backbone.init_cfg.type=Pretrained'] + train_opts},
-        append=['--work-dir', det_work]))
+        append=['--demo', '--work-dir', det_work]))
     loaded = [m for m in _PRETRAINED.finditer(out) if m.group(1) == ckpt]
     assert loaded and int(loaded[0].group(2)) > 100, out[-3000:]  # the ImageNet backbone loaded
     _last_checkpoint(det_work)
@@ -488,11 +493,11 @@ def case_pretrain_finetune(sh, tmp_path):
 
 def case_dist_train_config(sh, tmp_path):
     cmd = 'bash tools/dist_train.sh CONFIG 8'
-    config = 'configs/pvtv2/pvtv2-b0_in1k_demo.py'
-    train_opts, _, _ = _cfg_options(osp.join(REPO, config))
+    config = 'configs/pvtv2/pvtv2-b0_in1k.py'
+    train_opts, _, _ = _cfg_options(osp.join(REPO, config), demo=True)
     work = str(tmp_path / 'work')
     out = sh(cmd, doc_argv(cmd, replace={'CONFIG': config, '8': '2'},
-                           append=['--work-dir', work, '--cfg-options'] + train_opts),
+                           append=['--demo', '--work-dir', work, '--cfg-options'] + train_opts),
              env=_dist_env(29533))
     assert 'Saving checkpoint' in out
     assert any(k.startswith('backbone.') for k in _state_dict_keys(_last_checkpoint(work)))
@@ -530,7 +535,7 @@ def case_fidelity_report(sh, tmp_path):
 
 def case_browse_dataset(sh, tmp_path):
     cmd = ('.venv/bin/python tools/browse_dataset.py '
-           'configs/pvtv2/mask-rcnn_pvtv2-b0_fpn_1x_coco_demo.py --output-dir work_dirs/browse '
+           'configs/pvtv2/mask-rcnn_pvtv2-b0_fpn_1x_coco.py --demo --output-dir work_dirs/browse '
            '--max-images 4')
     out_dir = tmp_path / 'browse'
     sh(cmd, doc_argv(cmd, values={'--output-dir': [str(out_dir)]}))
@@ -729,30 +734,72 @@ def case_new_detector_config(sh, tmp_path):
     block = _doc_python_block('docs/new_detector_config.md', f'# {rel}\n')
     stock_base = "_base_ = ['mmdet::atss/atss_r50_fpn_1x_coco.py']"
     assert stock_base in block, 'the doc config no longer inherits the stock ATSS config'
-    demo_base = osp.join(CONFIGS, '_base_', 'demo', 'coco_instance.py')
-    root = osp.join(REPO, 'data', 'demo', 'coco') + '/'
-    text = block.replace(stock_base, stock_base[:-1] + f', {demo_base!r}]') + f'''
-# ---- tests/test_doc_commands.py: the demo data (absolute root: this config runs outside the repo)
-train_dataloader = dict(batch_size=4, num_workers=0, persistent_workers=False, dataset=dict(
-    data_root={root!r}, pipeline={{{{_base_.demo_train_pipeline}}}}))
-val_dataloader = dict(batch_size=1, num_workers=0, persistent_workers=False, dataset=dict(
-    data_root={root!r}, pipeline={{{{_base_.demo_test_pipeline}}}}))
-test_dataloader = val_dataloader
-val_evaluator = dict(ann_file={root + 'annotations/instances_val2017.json'!r})
-test_evaluator = val_evaluator
-'''
     cfg = tmp_path / rel
     cfg.parent.mkdir(parents=True)
-    cfg.write_text(text)
+    cfg.write_text(block)
+    # the demo data where --demo reads it: data/demo of the working directory
+    (tmp_path / 'data').mkdir()
+    os.symlink(osp.join(REPO, 'data', 'demo'), tmp_path / 'data' / 'demo')
     ckpt = re.search(r"checkpoint='([^']+)'", block).group(1)
     _backbone_file('swin-t_in1k', tmp_path / ckpt)
-    train_opts, _, _ = _cfg_options(str(cfg))
+    train_opts, _, _ = _cfg_options(str(cfg), demo=True)
+    # the demo overlay trains from scratch (init_cfg=None): the doc's pretrained file is put back
+    pretrained = ['model.backbone.init_cfg._delete_=True',
+                  'model.backbone.init_cfg.type=Pretrained',
+                  f'model.backbone.init_cfg.checkpoint={ckpt}']
     out = sh(cmd, doc_argv(cmd, replace={'tools/train.py': osp.join(REPO, 'tools', 'train.py')},
-                           append=['--cfg-options'] + train_opts), cwd=str(tmp_path))
+                           append=['--demo', '--cfg-options'] + pretrained + train_opts),
+             cwd=str(tmp_path))
     assert 'loss_centerness' in out and 'Saving checkpoint' in out, out[-3000:]
     loaded = [m for m in _PRETRAINED.finditer(out) if m.group(1) == ckpt]
     assert loaded and int(loaded[0].group(2)) > 100, out[-3000:]
-    _last_checkpoint(str(tmp_path / 'work_dirs' / 'atss_swin-t_fpn_1x_coco'))
+    _last_checkpoint(str(tmp_path / 'work_dirs' / 'atss_swin-t_fpn_1x_coco_demo'))
+
+
+def case_demo_overlay(sh, tmp_path):
+    data = '.venv/bin/python tools/make_demo_data.py'
+    train = '.venv/bin/python tools/train.py configs/swin/mask-rcnn_swin-t_fpn_1x_coco.py --demo'
+    test = ('.venv/bin/python tools/test.py configs/swin/mask-rcnn_swin-t_fpn_1x_coco.py '
+            'work_dirs/mask-rcnn_swin-t_fpn_1x_coco_demo/epoch_12.pth --demo')
+    out = sh(data, doc_argv(data))
+    for task in ('coco', 'ade', 'imagenet'):
+        assert f'{task}: skipped (up to date)' in out, out[-3000:]
+    config = osp.join(REPO, 'configs', 'swin', 'mask-rcnn_swin-t_fpn_1x_coco.py')
+    train_opts, test_opts, keys = _cfg_options(config, demo=True)
+    work = str(tmp_path / 'work')
+    out = sh(train, doc_argv(train, append=['--work-dir', work, '--cfg-options'] + train_opts))
+    assert 'Saving checkpoint' in out
+    ckpt = _last_checkpoint(work)
+    out = sh(test, doc_argv(
+        test, replace={'work_dirs/mask-rcnn_swin-t_fpn_1x_coco_demo/epoch_12.pth': ckpt},
+        append=['--work-dir', work, '--cfg-options'] + test_opts))
+    metrics = metrics_of(out)
+    for k in keys:
+        assert 0.0 <= metrics[k] <= 100.0, (k, metrics)
+
+
+def case_demo_config_mim(sh, tmp_path):
+    write = ('.venv/bin/python -m linattn_mm.demo configs/swin/mask-rcnn_swin-t_fpn_1x_coco.py -o '
+             'work_dirs/mask-rcnn_swin-t_fpn_1x_coco_demo.py')
+    train = 'mim train mmdet work_dirs/mask-rcnn_swin-t_fpn_1x_coco_demo.py --gpus 0'
+    try:
+        import mim  # noqa: F401
+    except Exception as e:  # pragma: no cover - depends on the environment
+        pytest.skip(f'openmim is not importable ({type(e).__name__}: {e}); tools/bootstrap.sh '
+                    'installs it')
+    doc_file = 'work_dirs/mask-rcnn_swin-t_fpn_1x_coco_demo.py'
+    demo = str(tmp_path / 'mask-rcnn_swin-t_fpn_1x_coco_demo.py')
+    out = sh(write, doc_argv(write, replace={doc_file: demo}))
+    assert demo in out.splitlines()
+    train_opts, _, _ = _cfg_options(demo)
+    work = str(tmp_path / 'work')
+    # mim runs mmdet's tools/train.py with the `python` first on PATH: this interpreter's
+    path = osp.dirname(sys.executable) + os.pathsep + os.environ.get('PATH', '')
+    out = sh(train, doc_argv(train, replace={doc_file: demo},
+                             append=['--work-dir', work, '--cfg-options'] + train_opts),
+             env=dict(PATH=path))
+    assert 'Saving checkpoint' in out, out[-3000:]
+    _last_checkpoint(work)
 
 
 CASES = {name[len('case_'):]: fn for name, fn in globals().items() if name.startswith('case_')}

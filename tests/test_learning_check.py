@@ -16,14 +16,14 @@ def test_default_runs_put_every_mixer_into_the_nat_skeleton():
     specs = TOOL['runs_of']('det', ['polaformer', 'nalaformer', 'padre', 'poly', 'setformer'])
     assert [s[0] for s in specs] == ['softmax', 'polaformer', 'nalaformer', 'padre', 'poly',
                                      'setformer']
-    assert {s[1] for s in specs} == {'configs/setformer/mask-rcnn_setformer-t_fpn_1x_coco_demo.py'}
+    assert {s[1] for s in specs} == {'configs/setformer/mask-rcnn_setformer-t_fpn_1x_coco.py'}
     types = [s[2]['attn_cfg']['type'] for s in specs]
     assert types == ['GlobalSoftmaxAttention', 'PolaLinearAttention', 'NormAwareLinearAttention',
                      'PADReMixer', 'PolySelfAttention', 'SeTAttention']
     assert all(s[2]['attn_cfg']['_delete_'] for s in specs)  # the config's SeT options go
     seg = TOOL['runs_of']('seg', ['nalaformer'])
     assert [s[0] for s in seg] == ['softmax', 'nalaformer']
-    assert seg[0][1].endswith('upernet_setformer-t_8xb2-160k_ade20k-512x512_demo.py')
+    assert seg[0][1].endswith('upernet_setformer-t_8xb2-160k_ade20k-512x512.py')
     text = TOOL['recipe_text'](specs[1][1], 'det', 300, 1e-3, specs[1][2])
     assert ("attn_cfg=dict(_delete_=True, type='PolaLinearAttention', qkv_layout='qkvg', "
             "alpha=4, kernel_size=5)") in text
@@ -35,9 +35,9 @@ def test_own_skeleton_runs_pair_each_family_with_its_softmax_skeleton():
     names = [s[0] for s in det]
     assert names == ['softmax', 'nalaformer-softmax', 'polaformer', 'nalaformer', 'padre']
     nala_soft = dict((s[0], s) for s in det)['nalaformer-softmax']
-    assert nala_soft[1].endswith('mask-rcnn_nalaformer-t_fpn_1x_coco_demo.py')
+    assert nala_soft[1].endswith('mask-rcnn_nalaformer-t_fpn_1x_coco.py')
     assert nala_soft[2] == dict(attn_cfg=dict(type='NaLaSoftmaxAttention'))
-    assert det[0][1] == 'configs/swin/mask-rcnn_swin-t_fpn_1x_coco_demo.py'
+    assert det[0][1] == 'configs/swin/mask-rcnn_swin-t_fpn_1x_coco.py'
     seg = TOOL['runs_of']('seg', ['setformer'], 'own')
     assert [s[0] for s in seg] == ['setformer-softmax', 'setformer']
     assert seg[0][2]['attn_cfg']['type'] == 'GlobalSoftmaxAttention'
@@ -66,7 +66,7 @@ def test_reduced_learning_check_writes_a_parsable_section(tmp_path):
     assert [r[0].replace(' (no detections)', '') for r in det[1:]] == ['softmax', 'polaformer']
     assert [r[0] for r in seg[1:]] == ['softmax', 'polaformer']
     # every run is the NAT skeleton with the mixer named in its row
-    assert {r[1] for r in det} == {'configs/setformer/mask-rcnn_setformer-t_fpn_1x_coco_demo.py'}
+    assert {r[1] for r in det} == {'configs/setformer/mask-rcnn_setformer-t_fpn_1x_coco.py'}
     assert [r[2] for r in seg] == ['GlobalSoftmaxAttention'] * 2 + ['PolaLinearAttention']
     assert '| coco/bbox_mAP | coco/bbox_mAP_50 | coco/segm_mAP | coco/segm_mAP_50 |' in text
     assert '| mIoU | mAcc | aAcc |' in text
@@ -93,16 +93,17 @@ def test_reduced_learning_check_writes_a_parsable_section(tmp_path):
 
 def test_main_demo_config_is_the_learning_checks_pola_run(tmp_path):
     """tools/demo.sh trains the learning check's PolaFormer Mask R-CNN (same model, optimiser,
-    schedule and data; docs/fidelity.md has its AP): the two cannot drift apart."""
-    from mmengine.config import Config
+    schedule and data; docs/fidelity.md has its AP): the two cannot drift apart. Both run through
+    the demo overlay."""
+    from conftest import demo_form
     spec = dict((s[0], s) for s in TOOL['runs_of']('det', ['polaformer']))['polaformer']
     path = tmp_path / 'learning_check_pola.py'
     path.write_text(TOOL['recipe_text'](spec[1], 'det', 300, TOOL['DEFAULT_LR']['det'], spec[2]))
-    check = Config.fromfile(str(path))
-    demo = Config.fromfile('configs/polaformer/mask-rcnn_pola-nat-tiny_fpn_300it_coco_demo.py')
+    check = demo_form(str(path))
+    demo = demo_form('configs/polaformer/mask-rcnn_pola-nat-tiny_fpn_300it_coco.py')
     for key in ('model', 'optim_wrapper', 'param_scheduler', 'train_cfg', 'train_dataloader',
                 'val_dataloader', 'val_evaluator', 'log_processor'):
         assert check[key] == demo[key], key
     assert demo.model.backbone.attn_cfg.type == 'PolaLinearAttention'
-    assert "CONFIG=\"${1:-configs/polaformer/mask-rcnn_pola-nat-tiny_fpn_300it_coco_demo.py}\"" \
+    assert "CONFIG=\"${1:-configs/polaformer/mask-rcnn_pola-nat-tiny_fpn_300it_coco.py}\"" \
         in open('tools/demo.sh').read()

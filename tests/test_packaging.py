@@ -68,12 +68,14 @@ PROBE = r'''
 import importlib.metadata, json, os.path as osp, sys
 import linattn_mm
 from linattn_mm.apis import config_root, get_config
-cfg = get_config('mask-rcnn_pvtv2-b0_fpn_1x_coco_demo')
+from linattn_mm.demo import apply_demo
+cfg = get_config('mask-rcnn_pvtv2-b0_fpn_1x_coco')
 print(json.dumps(dict(
     package=osp.dirname(osp.abspath(linattn_mm.__file__)),
     root=osp.abspath(config_root()),
     config_file=osp.abspath(cfg.filename),
     scope=cfg.get('default_scope'),
+    demo_root=apply_demo(cfg).train_dataloader.dataset.data_root,
     version=linattn_mm.__version__,
     dist_version=importlib.metadata.version('linattn_mm'),
     dist_path=str(importlib.metadata.distribution('linattn_mm')._path),
@@ -106,6 +108,7 @@ def test_unpacked_wheel_finds_its_configs_and_version(wheel, tmp_path):
         'linattn_mm/.mim/configs'), info
     assert inside(info['config_file']), info
     assert info['scope'] == 'mmdet'
+    assert info['demo_root'] == 'data/demo/coco/'  # the demo overlay works from the wheel
     assert inside(info['dist_path']), info
     assert info['dist_version'] == info['version'] == linattn_mm.__version__
 

@@ -93,13 +93,17 @@ def test_model_code_imports_without_compiled_ops():
 
 def test_list_models():
     names = linattn_mm.list_models()
-    assert 'swin-t_in1k' in names and 'mask-rcnn_pvtv2-b0_fpn_1x_coco_demo' in names
+    assert 'swin-t_in1k' in names and 'mask-rcnn_pvtv2-b0_fpn_1x_coco' in names
+    assert not linattn_mm.list_models('*_demo')  # demo forms come from the overlay, not files
     assert linattn_mm.list_models('upernet_*') == sorted(
         n for n in names if n.startswith('upernet_'))
     from linattn_mm.apis import _zoo
-    skeleton_demos = [n for n in linattn_mm.list_models('*_demo')
-                      if _zoo()[n].split('/')[-2] in ('swin', 'pvt', 'pvtv2', 'deit')]
-    assert len(skeleton_demos) == 4 * 7  # ImageNet + five heads (Mask R-CNN 1x and 3x) each
+    # each baseline skeleton: ImageNet + five heads (Mask R-CNN 1x and 3x), all of which the
+    # demo overlay trains on the demo data (tests/test_all_demo_configs.py)
+    for skeleton in ('swin', 'pvt', 'pvtv2', 'deit'):
+        configs = [n for n in names if _zoo()[n].split('/')[-2] == skeleton]
+        dense = [n for n in configs if not n.endswith('_in1k')]
+        assert len(dense) == 6 and any(n.endswith('_in1k') for n in configs), (skeleton, configs)
 
 
 def test_get_model_classifier_and_errors():

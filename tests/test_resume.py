@@ -12,13 +12,15 @@ import torch
 from conftest import CONFIGS, REPO, run_tool
 
 from linattn_mm.checkpoint import safe_globals
+from linattn_mm.demo import write_demo_config
 
 # A classifier on the demo ImageNet subset with no random augmentation, stochastic depth or
 # mixup, so that the only state a resume must restore is the model, optimizer, schedulers, epoch
 # counter and data order.
 CONFIG = '''
 _base_ = ['{base}']
-train_dataloader = dict(batch_size=4, dataset=dict(indices=16, pipeline={{{{_base_.demo_test_pipeline}}}}))
+train_dataloader = dict(batch_size=4, dataset=dict(
+    indices=16, pipeline={{{{_base_.test_dataloader.dataset.pipeline}}}}))
 val_dataloader = dict(dataset=dict(indices=4))
 test_dataloader = dict(dataset=dict(indices=4))
 model = dict(backbone=dict(drop_path_rate=0.0), train_cfg=None)
@@ -36,7 +38,10 @@ def _weights(path):
 
 def test_resume_after_kill_matches_uninterrupted(demo_data, tmp_path):
     cfg = tmp_path / 'resume_cfg.py'
-    cfg.write_text(CONFIG.format(base=osp.join(CONFIGS, 'pvtv2', 'pvtv2-b0_in1k_demo.py')))
+    # the classifier on the demo data: the one-file config of the demo overlay (the mim route)
+    base = write_demo_config(osp.join(CONFIGS, 'pvtv2', 'pvtv2-b0_in1k.py'),
+                             str(tmp_path / 'pvtv2-b0_in1k_demo.py'))
+    cfg.write_text(CONFIG.format(base=base))
     full, cut = str(tmp_path / 'full'), str(tmp_path / 'cut')
     run_tool(['tools/train.py', str(cfg), '--work-dir', full])
 
@@ -66,7 +71,7 @@ def test_resume_after_kill_matches_uninterrupted(demo_data, tmp_path):
 
 
 def test_find_resume_checkpoint_skips_truncated_files(tmp_path):
-    from linattn_mm.runner import find_resume_checkpoint, is_complete_checkpoint
+    from linattn_mm.cli import find_resume_checkpoint, is_complete_checkpoint
     assert find_resume_checkpoint(str(tmp_path)) is None
     for n in (1, 2, 3):
         torch.save({'state_dict': {'w': torch.full((64, 64), float(n))}}, tmp_path / f'epoch_{n}.pth')

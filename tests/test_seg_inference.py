@@ -3,23 +3,24 @@ an odd-sized image, and sliding with one window covering the image gives exactly
 logits (the windows are stitched back without seams or double counting)."""
 import pytest
 import torch
+from conftest import demo_form
 
 import linattn_mm  # noqa: F401
 
 CONFIGS = [
-    'configs/swin/fpn_swin-t_8xb4-40k_ade20k-512x512_demo.py',
-    'configs/polaformer/fpn_pola-pvt-t_8xb4-40k_ade20k-512x512_demo.py',
-    'configs/nalaformer/fpn_nalaformer-t_8xb4-40k_ade20k-512x512_demo.py',
-    'configs/padre/fpn_padre-swin-t_8xb4-40k_ade20k-512x512_demo.py',
-    'configs/poly/fpn_poly-swin-t_8xb4-40k_ade20k-512x512_demo.py',
-    'configs/setformer/fpn_setformer-t_8xb4-40k_ade20k-512x512_demo.py',
+    'configs/swin/fpn_swin-t_8xb4-40k_ade20k-512x512.py',
+    'configs/polaformer/fpn_pola-pvt-t_8xb4-40k_ade20k-512x512.py',
+    'configs/nalaformer/fpn_nalaformer-t_8xb4-40k_ade20k-512x512.py',
+    'configs/padre/fpn_padre-swin-t_8xb4-40k_ade20k-512x512.py',
+    'configs/poly/fpn_poly-swin-t_8xb4-40k_ade20k-512x512.py',
+    'configs/setformer/fpn_setformer-t_8xb4-40k_ade20k-512x512.py',
 ]
 
 
 def build(config, test_cfg):
-    from mmengine.config import Config
+    """The segmentor of ``config`` in its demo form (the demo overlay: e.g. 64 SeT references)."""
     from mmengine.registry import MODELS, init_default_scope
-    cfg = Config.fromfile(config)
+    cfg = demo_form(config)
     init_default_scope('mmseg')
     cfg.model.backbone.init_cfg = None
     cfg.model.test_cfg = test_cfg

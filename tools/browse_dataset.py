@@ -1,7 +1,7 @@
 """Draw the ground truth of a config's dataset samples, after its pipeline, into PNG files.
 
     python tools/browse_dataset.py CONFIG --output-dir DIR [--max-images 20] [--phase train]
-                                   [--cfg-options k=v ...]
+                                   [--demo] [--cfg-options k=v ...]
 
 One PNG per sample, at the size of the pipeline's output image (what the model sees). Detection:
 boxes, masks and class names (mmdet's ``DetLocalVisualizer``); segmentation: the label map blended
@@ -35,6 +35,8 @@ def parse_args(argv=None):
     p.add_argument('--phase', choices=['train', 'val', 'test'], default='train',
                    help='which dataloader of the config to browse (default: train)')
     p.add_argument('--seed', type=int, default=None, help='seed for the random transforms')
+    p.add_argument('--demo', action='store_true',
+                   help='the config on the generated demo data (linattn_mm.demo.apply_demo)')
     p.add_argument('--cfg-options', nargs='+', action=DictAction,
                    help='override config settings, e.g. train_dataloader.dataset.indices=4')
     return p.parse_args(argv)
@@ -140,6 +142,9 @@ def main(argv=None):
     from mmengine.config import Config
     args = parse_args(argv)
     cfg = Config.fromfile(args.config)
+    if args.demo:
+        from linattn_mm.demo import apply_demo
+        apply_demo(cfg)
     if args.cfg_options:
         cfg.merge_from_dict(args.cfg_options)
     records = browse(cfg, args.output_dir, args.max_images, args.phase, args.seed,

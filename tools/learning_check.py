@@ -9,7 +9,9 @@ Each run trains a tiny Mask R-CNN / UperNet with one shared recipe (below: a tin
 heads, AdamW, warm-up then cosine decay, ``--iters`` iterations, seed 0, random initialisation),
 followed by the evaluation on the demo validation split. By default (``--skeleton nat``) every
 family's token mixer goes into the same NAT-style skeleton (SeTformer's conv-stem hierarchy) next to
-global softmax attention in it; ``--skeleton own`` trains each family's own demo config instead.
+global softmax attention in it; ``--skeleton own`` trains each family's own config instead. Every
+run goes through the demo overlay (``linattn_mm.demo``: the demo data, no pretrained file, the CPU
+settings), which leaves the recipe's keys (``demo_keep``) alone.
 The recipe is the same for every run, so the table compares the token mixers, not the schedules.
 The untrained row is the softmax model evaluated before its first step. Writes the results between the ``learning-check``
 markers of ``--out`` (``docs/fidelity.md``), a loss-curve PNG and a JSON file. This is a
@@ -27,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 
-# ``--skeleton own``: each family in the skeleton of its own demo config. family -> (config
+# ``--skeleton own``: each family in the skeleton of its own config. family -> (config
 # folder, model name in the config file names, the softmax run it is compared with). The skeletons
 # are those with a normalised output per stage (Swin, and the native NaLaFormer / SeTformer
 # hierarchies): PVT v1 returns its stage maps without a norm (as the official detection code), and
@@ -43,22 +45,24 @@ FAMILIES = {
     'poly': ('poly', 'poly-swin-t', 'softmax'),
     'setformer': ('setformer', 'setformer-t', 'setformer-softmax'),
 }
-#: the demo config of each task, by config folder and model name
-DEMO_CONFIG = dict(det='configs/{}/mask-rcnn_{}_fpn_1x_coco_demo.py',
-                   seg='configs/{}/upernet_{}_8xb2-160k_ade20k-512x512_demo.py')
+#: the config of each task (run through the demo overlay), by config folder and model name
+TASK_CONFIG = dict(det='configs/{}/mask-rcnn_{}_fpn_1x_coco.py',
+                   seg='configs/{}/upernet_{}_8xb2-160k_ade20k-512x512.py')
+#: the recipe's keys, which the demo overlay leaves as the recipe sets them
+RECIPE_KEYS = ['optim_wrapper', 'param_scheduler', 'train_cfg', 'default_hooks']
 
 
-def demo_config(task, family):
-    """The ``task`` demo config of ``family``'s own skeleton."""
+def task_config(task, family):
+    """The ``task`` config of ``family``'s own skeleton."""
     folder, model, _ = FAMILIES[family]
-    return DEMO_CONFIG[task].format(folder, model)
+    return TASK_CONFIG[task].format(folder, model)
 
 
 # The default check (``--skeleton nat``) puts every family's token mixer into one skeleton: the
 # NAT-style hierarchy of SeTformer (conv stem, conv downsamplers, a LayerNorm on every output), next
 # to the same skeleton with global softmax attention. Any mixer fits any skeleton, so the table
 # compares the mixers alone. Mixer settings are those of the family's Swin / native configs.
-NAT = {task: demo_config(task, 'setformer') for task in DEMO_CONFIG}
+NAT = {task: task_config(task, 'setformer') for task in TASK_CONFIG}
 SKELETONS = ('nat', 'own')
 MIXERS = {
     'softmax': dict(type='GlobalSoftmaxAttention'),
@@ -69,7 +73,7 @@ MIXERS = {
     # the COCO / ADE20K settings of the SeTformer configs with the demo's 64 references
     'setformer': dict(type='SeTAttention', num_refs=64, eps=0.3, tau=0.8),
 }
-# softmax skeletons that are a linear family's own demo config with the attention swapped: name ->
+# softmax skeletons that are a linear family's own config with the attention swapped: name ->
 # (family whose config is used, backbone overrides)
 SOFTMAX_VARIANTS = {
     'nalaformer-softmax': ('nalaformer', dict(attn_cfg=dict(type='NaLaSoftmaxAttention'))),
@@ -106,7 +110,7 @@ TINY_CHANNELS = [32, 64, 128, 256]
 
 
 def skeleton_of(config):
-    """Which tiny arch a demo config's backbone takes."""
+    """Which tiny arch a config's backbone takes."""
     name = osp.basename(config)
     return next((k for k in ('nalaformer', 'setformer') if k in name), 'swin')
 DEFAULT_LR = dict(det=1e-3, seg=1e-3)
@@ -114,7 +118,8 @@ DEFAULT_LR = dict(det=1e-3, seg=1e-3)
 
 def recipe_text(config, task, iters, lr, backbone=None):
     """Text of a config that inherits ``config`` and applies the shared recipe (``backbone``:
-    overrides merged into ``model.backbone``)."""
+    overrides merged into ``model.backbone``); its ``demo_keep`` keeps the recipe's schedule when
+    the run applies the demo overlay."""
     warm = max(1, min(50, iters // 10))
     model = copy.deepcopy(DET_MODEL if task == 'det' else SEG_MODEL)
     model['backbone'] = dict(arch=dict(_delete_=True, **TINY_ARCH[skeleton_of(config)]),
@@ -138,6 +143,7 @@ def recipe_text(config, task, iters, lr, backbone=None):
         f'default_hooks = dict(logger=dict(interval={min(5, iters)}), checkpoint=dict(by_epoch=False, '
         f'interval={iters}, max_keep_ckpts=1))',
         f'model = dict({_kw(model)})',
+        f'demo_keep = {RECIPE_KEYS!r}',
     ]
     return '\n'.join(lines) + '\n'
 
@@ -150,7 +156,7 @@ def _kw(d):
 def runs_of(task, families, skeleton='nat'):
     """Run specs ``(name, config, backbone overrides)`` for ``families`` and their softmax
     counterparts (each counterpart once), softmax runs first. ``skeleton='nat'``: every family's
-    mixer in the NAT skeleton next to its global-softmax form; ``'own'``: each family's own demo
+    mixer in the NAT skeleton next to its global-softmax form; ``'own'``: each family's own
     config next to the softmax form of that skeleton."""
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:
@@ -170,9 +176,9 @@ def runs_of(task, families, skeleton='nat'):
             seen.add(name)
             if name in SOFTMAX_VARIANTS:
                 base, bb = SOFTMAX_VARIANTS[name]
-                specs.append((name, demo_config(task, base), bb))
+                specs.append((name, task_config(task, base), bb))
             else:
-                specs.append((name, demo_config(task, name), None))
+                specs.append((name, task_config(task, name), None))
     specs.sort(key=lambda s: 'softmax' not in s[0])
     return specs
 
@@ -185,9 +191,10 @@ def run_one(config_file, work_dir, untrained):
     from mmengine.runner import Runner
 
     import linattn_mm  # noqa: F401
+    from linattn_mm.demo import apply_demo
     from linattn_mm.registry import register_downstream
     register_downstream()
-    cfg = Config.fromfile(config_file)
+    cfg = apply_demo(Config.fromfile(config_file))
     cfg.work_dir = work_dir
     cfg.launcher = 'none'
     runner = Runner.from_cfg(cfg)
@@ -295,12 +302,13 @@ def render(results, args, command):
                    'within this budget: the stem, not the mixer, limits learning from scratch '
                    'there)')
     else:
-        setting = ('each family\'s own demo config (its skeleton and attention) with one block per '
+        setting = ('each family\'s own config (its skeleton and attention) with one block per '
                    'stage (two in stage 3) and widths 32/64/128/256; each linear family sits next '
                    'to the softmax skeleton it replaces the attention of')
     lines = [BEGIN, '## Learning check on the demo data', '',
              f'Generated by `{command}` (do not edit by hand).', '',
-             f'Every run: the `_demo` config with the shared recipe of `tools/learning_check.py` '
+             f'Every run: the config through the demo overlay (`linattn_mm.demo`) with the shared '
+             f'recipe of `tools/learning_check.py` '
              f'({args.iters} iterations, batch 4, AdamW lr {args.lr or DEFAULT_LR["det"]:g} with '
              f'warm-up and cosine decay; narrow heads; seed 0, random initialisation) and '
              f'{setting}; then the demo validation split. "untrained" is the softmax model '
@@ -373,7 +381,7 @@ def parse_args(argv=None):
     p.add_argument('--only', nargs='+', help='families (default: all)')
     p.add_argument('--skeleton', choices=SKELETONS, default='nat',
                    help="'nat': every mixer in the NAT-style skeleton (conv stem) next to global "
-                   "softmax in it (default); 'own': each family's own demo config")
+                   "softmax in it (default); 'own': each family's own config")
     p.add_argument('--iters', type=int, default=300, help='training iterations per run')
     p.add_argument('--lr', type=float, help='AdamW learning rate (default: per task)')
     p.add_argument('--workers', type=int, default=2, help='runs in parallel')
@@ -398,7 +406,7 @@ def main(argv=None):
         with open(args.result, 'w') as f:
             json.dump(res, f)
         return res
-    from linattn_mm.demo_data import make_demo_data
+    from linattn_mm.demo import make_demo_data
     make_demo_data(root=osp.join(REPO, 'data', 'demo'), tasks=[
         {'det': 'coco', 'seg': 'ade'}[t] for t in args.task])
     jobs = []

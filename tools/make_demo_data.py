@@ -9,7 +9,7 @@ Same arguments give byte-identical files; an up-to-date task folder (matching
 """
 import argparse
 
-from linattn_mm.demo_data import TASKS, make_demo_data
+from linattn_mm.demo import TASKS, make_demo_data
 
 
 def parse_args(argv=None):

@@ -2,10 +2,11 @@
 
     python tools/test.py CONFIG CHECKPOINT [--work-dir DIR] [--out FILE] [--show-dir DIR]
                          [--cfg-options k=v ...] [--launcher none|pytorch|slurm|mpi] [--tta]
-                         [--no-convert]
+                         [--no-convert] [--demo]
 
 The model's blocks and mixers run their inference forms (:func:`linattn_mm.deploy.convert`: same
-outputs, faster); ``--no-convert`` keeps the plain forms.
+outputs, faster); ``--no-convert`` keeps the plain forms. ``--demo`` runs CONFIG on the generated
+demo data (``linattn_mm.demo``).
 
 The metrics are logged by the evaluator and printed as one JSON line starting with
 ``linattn_mm metrics:``.
@@ -16,9 +17,9 @@ import numbers
 
 import linattn_mm  # noqa: F401
 from linattn_mm.checkpoint import safe_globals
+from linattn_mm.cli import (add_common_args, apply_launcher_defaults, build_runner,
+                            close_process_group, load_config, parse_with_common)
 from linattn_mm.deploy import convert
-from linattn_mm.runner import (add_common_args, apply_launcher_defaults, build_runner,
-                               close_process_group, load_config, parse_with_common)
 
 
 def parse_args(argv=None):

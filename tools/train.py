@@ -3,14 +3,16 @@
 Same flags as the stock OpenMMLab ``tools/train.py``:
     python tools/train.py CONFIG [--work-dir DIR] [--amp] [--auto-scale-lr] [--resume [CKPT]]
                                  [--cfg-options k=v ...] [--launcher none|pytorch|slurm|mpi]
+
+``--demo`` runs CONFIG on the generated demo data with the demo schedule (``linattn_mm.demo``).
 """
 import argparse
 
 import linattn_mm  # noqa: F401  (registers the backbones)
 from linattn_mm.checkpoint import safe_globals
-from linattn_mm.runner import (add_common_args, apply_launcher_defaults, build_runner,
-                               close_process_group, find_resume_checkpoint, load_config,
-                               parse_with_common)
+from linattn_mm.cli import (add_common_args, apply_launcher_defaults, build_runner,
+                            close_process_group, find_resume_checkpoint, load_config,
+                            parse_with_common)
 
 
 def parse_args(argv=None):

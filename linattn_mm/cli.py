@@ -1,0 +1,138 @@
+"""Command-line set-up shared by ``tools/train.py`` and ``tools/test.py``: their common flags, the
+config with ``--demo`` / ``--cfg-options`` / the work dir applied, launcher defaults for runs
+without GPUs, building mmengine's runner, and finding the checkpoint to resume from."""
+import os
+import os.path as osp
+
+import torch
+
+
+def add_common_args(parser):
+    """The flags every tool shares: ``--work-dir --demo --cfg-options --launcher --local-rank``."""
+    from mmengine.config import DictAction
+    parser.add_argument('--work-dir', help='directory for logs and checkpoints')
+    parser.add_argument('--demo', action='store_true',
+                        help='the demo overlay: the generated demo data under data/demo '
+                        '(tools/make_demo_data.py), a tiny schedule, no pretrained backbone file, '
+                        'the CPU settings (linattn_mm.demo.apply_demo); --cfg-options apply '
+                        'after it')
+    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
+                        help='override config settings, e.g. train_cfg.max_epochs=1')
+    parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
+                        default='none')
+    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
+    return parser
+
+
+def parse_with_common(parser, argv=None):
+    args = parser.parse_args(argv)
+    if 'LOCAL_RANK' not in os.environ:
+        os.environ['LOCAL_RANK'] = str(args.local_rank)
+    return args
+
+
+def load_config(args):
+    """The config of ``args.config`` with the demo overlay (``--demo``), ``--cfg-options``, the
+    launcher and the work dir (CLI, then the config's ``work_dir``, then ``work_dirs/<config
+    name>``, with ``_demo`` appended under ``--demo``) applied."""
+    from mmengine.config import Config
+    cfg = Config.fromfile(args.config)
+    demo = getattr(args, 'demo', False)
+    if demo:
+        from linattn_mm.demo import apply_demo
+        apply_demo(cfg)
+    cfg.launcher = args.launcher
+    if args.cfg_options is not None:
+        cfg.merge_from_dict(args.cfg_options)
+    if args.work_dir is not None:
+        cfg.work_dir = args.work_dir
+    elif cfg.get('work_dir', None) is None:
+        name = osp.splitext(osp.basename(args.config))[0] + ('_demo' if demo else '')
+        cfg.work_dir = osp.join('./work_dirs', name)
+    return cfg
+
+
+def apply_launcher_defaults(cfg):
+    """Make multi-process runs work without CUDA: the gloo backend (nccl needs GPUs), the
+    process group created here for the ``pytorch`` (torchrun) launcher (mmengine's own set-up
+    calls ``torch.cuda.set_device``), and DDP without device ids whose SyncBN layers synchronise
+    over gloo (:class:`linattn_mm.dist.CPUDistributedDataParallel`)."""
+    if cfg.get('launcher', 'none') == 'none' or torch.cuda.is_available():
+        return cfg
+    env = dict(cfg.get('env_cfg') or {})
+    env['dist_cfg'] = dict(env.get('dist_cfg') or {}, backend='gloo')
+    cfg.env_cfg = env
+    if cfg.launcher == 'pytorch':
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            dist.init_process_group(backend='gloo')
+    # SyncBN layers become CPUSyncBatchNorm (statistics all-reduced over the gloo group)
+    import linattn_mm.dist  # noqa: F401  (registers the wrapper)
+    wrapper = dict(cfg.get('model_wrapper_cfg') or dict(type='CPUDistributedDataParallel'))
+    if wrapper.get('type') == 'MMDistributedDataParallel':
+        wrapper['type'] = 'CPUDistributedDataParallel'
+    wrapper.setdefault('device_ids', None)
+    cfg.model_wrapper_cfg = wrapper
+    return cfg
+
+
+def close_process_group(wait=True):
+    """Destroy the default process group (if any), after a barrier when ``wait`` (a failed rank
+    must not wait for the others). Leaving gloo's worker threads alive until interpreter shutdown
+    can abort a process at exit ("terminate called without an active exception") after a
+    successful run."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        try:
+            if wait:
+                dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
+def build_runner(cfg):
+    """The config's runner (``runner_type`` if set, else mmengine's Runner)."""
+    from mmengine.registry import RUNNERS
+    from mmengine.runner import Runner
+    if 'runner_type' in cfg:
+        return RUNNERS.build(cfg)
+    return Runner.from_cfg(cfg)
+
+
+def _checkpoint_number(name):
+    import re
+    m = re.fullmatch(r'(?:epoch|iter)_(\d+)\.pth', name)
+    return int(m.group(1)) if m else None
+
+
+def is_complete_checkpoint(path):
+    """True when ``path`` is a whole torch zip checkpoint (a run killed while saving leaves a
+    truncated file behind)."""
+    import zipfile
+    try:
+        with zipfile.ZipFile(path) as zf:
+            return zf.testzip() is None
+    except (zipfile.BadZipFile, OSError, EOFError):
+        return False
+
+
+def find_resume_checkpoint(work_dir):
+    """The newest complete ``epoch_*.pth`` / ``iter_*.pth`` in ``work_dir`` (mmengine's
+    ``last_checkpoint`` pointer first when it names a complete file), or None."""
+    if not osp.isdir(work_dir):
+        return None
+    pointer = osp.join(work_dir, 'last_checkpoint')
+    candidates = []
+    if osp.isfile(pointer):
+        with open(pointer) as f:
+            candidates.append(f.read().strip())
+    numbered = [(n, f) for f in os.listdir(work_dir)
+                for n in [_checkpoint_number(f)] if n is not None]
+    candidates += [osp.join(work_dir, f) for _, f in sorted(numbered, reverse=True)]
+    best = None
+    for path in candidates:
+        if osp.isfile(path) and is_complete_checkpoint(path):
+            n = _checkpoint_number(osp.basename(path))
+            if best is None or (n or -1) > (_checkpoint_number(osp.basename(best)) or -1):
+                best = path
+    return best
