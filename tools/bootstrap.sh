@@ -75,7 +75,7 @@ fi
 
 log "step 5/5: mmdet 3.3.0, mmsegmentation 1.2.2, mmpretrain 1.2.0, test tools (pytest, openmim), linattn_mm (editable)"
 pip_install -q "mmdet==3.3.0" "mmsegmentation==1.2.2" "mmpretrain==1.2.0" ftfy regex pytest "torch===2.13.0"
-# openmim (tests/test_mim.py: `mim train/test mmdet CONFIG`) without its dependency chain: its
+# openmim (tests/e2e/test_mim.py: `mim train/test mmdet CONFIG`) without its dependency chain: its
 # opendatalab -> openxlab requirement pins setuptools~=60.2, requests, rich, tqdm, filelock and
 # packaging to old versions. These are the packages mim imports (pip is there already).
 pip_install -q click model-index colorama tabulate pandas requests

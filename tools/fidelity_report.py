@@ -194,12 +194,12 @@ def render(rows, command):
 
 
 EQUIVALENCE_TESTS = [
-    ('tests/test_pola.py', 'PolaLinearAttention (PVT and Swin layouts, class tokens, la_sr_ratio) '
+    ('tests/models/test_pola.py', 'PolaLinearAttention (PVT and Swin layouts, class tokens, la_sr_ratio) '
      'against the official order of operations, and official-format files giving the official '
      'logits'),
-    ('tests/test_nala.py', 'NormAwareLinearAttention and NaLaSoftmaxAttention against the official '
+    ('tests/models/test_nala.py', 'NormAwareLinearAttention and NaLaSoftmaxAttention against the official '
      'kernels (to 1e-6), official `model` / `model_ema` files loading with zero unexpected keys'),
-    ('tests/test_backbone_checkpoints.py', 'official Swin / PVT / PVTv2 / DeiT checkpoints in '
+    ('tests/checkpoint/test_backbone_checkpoints.py', 'official Swin / PVT / PVTv2 / DeiT checkpoints in '
      'every format loading with their keys unchanged'),
 ]
 

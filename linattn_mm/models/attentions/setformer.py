@@ -107,7 +107,7 @@ class SeTAttention(BaseTokenMixer):
         num_iters (int): Sinkhorn iterations L (row + column update each). Default 30: at the
             defaults the row marginals are then within 1e-4 (the columns are exact, the loop ends
             with the column update) for the sharpest plans met in the tests (tokens clustered
-            around the references), see ``tests/test_setformer.py``. The paper gives no value
+            around the references), see ``tests/models/test_setformer.py``. The paper gives no value
             (OTK: 10-100).
         tau (float, optional): positional bandwidth τ of ``M_ij = exp(-(i/n - j/m)²/τ)``. Default
             0.5 (ImageNet; 0.8 COCO / ADE20K). ``None`` disables the positional term.

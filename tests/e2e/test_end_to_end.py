@@ -1,0 +1,65 @@
+"""The tools as command-line scripts (subprocesses): one training iteration and a test pass with
+metrics on the demo data (``--demo``), and a new detector written by config inheritance. (Every
+config of every head is run on the demo data through the same tools in
+tests/e2e/test_all_demo_configs.py.)"""
+import os.path as osp
+
+import pytest
+from harness import CONFIGS as CFG
+from harness import metrics_of, run_tool
+
+DET_SHORT = ['train_cfg.max_epochs=1', 'train_cfg.val_interval=1', 'train_dataloader.batch_size=2',
+             'train_dataloader.dataset.indices=2', 'val_dataloader.dataset.indices=2']
+CASES = [
+    # (config, train options, test options, metric keys that must be present)
+    ('swin/mask-rcnn_swin-t_fpn_1x_coco.py', DET_SHORT + ['model.test_cfg.rcnn.score_thr=0.0'],
+     ['test_dataloader.dataset.indices=2', 'model.test_cfg.rcnn.score_thr=0.0'],
+     ['coco/bbox_mAP', 'coco/segm_mAP']),
+    ('pvt/pvt-t_in1k.py',
+     ['train_cfg.max_epochs=1', 'train_cfg.val_interval=1', 'train_dataloader.batch_size=4',
+      'train_dataloader.dataset.indices=4', 'val_dataloader.dataset.indices=8'],
+     ['test_dataloader.dataset.indices=8'], ['accuracy/top1', 'accuracy/top5']),
+]
+
+
+@pytest.mark.parametrize('config,train_opts,test_opts,keys', CASES,
+                         ids=[osp.basename(c[0])[:-3] for c in CASES])
+def test_train_one_iteration_and_test(demo_data, tmp_path, config, train_opts, test_opts, keys):
+    cfg = osp.join(CFG, config)
+    work = str(tmp_path / 'work')
+    out = run_tool(['tools/train.py', cfg, '--demo', '--work-dir', work, '--cfg-options'] +
+                   train_opts)
+    assert 'Saving checkpoint' in out
+    with open(osp.join(work, 'last_checkpoint')) as f:
+        ckpt = f.read().strip()
+    assert osp.isfile(ckpt)
+    out = run_tool(['tools/test.py', cfg, ckpt, '--demo', '--work-dir', work, '--cfg-options'] +
+                   test_opts)
+    metrics = metrics_of(out)
+    for k in keys:
+        assert k in metrics, (k, metrics)
+        assert 0.0 <= metrics[k] <= 100.0
+
+
+NEW_DETECTOR = '''
+# A detector that linattn_mm ships no config for, written by inheritance from stock files.
+_base_ = ['mmdet::atss/atss_r50_fpn_1x_coco.py']
+custom_imports = dict(imports=['linattn_mm'], allow_failed_imports=False)
+model = dict(
+    backbone=dict(_delete_=True, type='LinAttnSwin', arch='t', out_indices=(1, 2, 3)),
+    neck=dict(in_channels=[192, 384, 768], start_level=0, add_extra_convs='on_output',
+              num_outs=5))
+optim_wrapper = dict(_delete_=True, type='OptimWrapper',
+                     optimizer=dict(type='AdamW', lr=1e-4, weight_decay=0.05))
+'''
+
+
+def test_new_detector_config_by_inheritance(demo_data, tmp_path):
+    """ATSS with a linattn_mm backbone, by inheritance from the stock config, put on the demo data
+    by ``--demo`` (the overlay takes any COCO detector)."""
+    cfg = tmp_path / 'atss_linattn-swin-t_fpn_1x_coco.py'
+    cfg.write_text(NEW_DETECTOR)
+    work = str(tmp_path / 'work')
+    out = run_tool(['tools/train.py', str(cfg), '--demo', '--work-dir', work, '--cfg-options'] +
+                   DET_SHORT + ['model.test_cfg.score_thr=0.0'])
+    assert 'loss_centerness' in out and 'Saving checkpoint' in out

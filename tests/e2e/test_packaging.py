@@ -1,0 +1,121 @@
+"""The built wheel: it ships every config as ``linattn_mm/.mim/configs``, the installed package
+finds them there (not in a source checkout), and its metadata version is ``__version__``.
+Also: the newest CHANGELOG.md entry is the package version."""
+import os
+import os.path as osp
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+from harness import CONFIGS, REPO
+
+import linattn_mm
+
+# what setup.py reads; copying only these keeps the build off the repository (no build/ or
+# egg-info there) and away from data/ and work_dirs/
+SOURCES = ['setup.py', 'README.md', 'linattn_mm', 'configs']
+
+
+def _config_files():
+    files = []
+    for dirpath, dirnames, filenames in os.walk(CONFIGS):
+        dirnames[:] = [d for d in dirnames if d != '__pycache__']
+        files += [osp.relpath(osp.join(dirpath, f), CONFIGS).replace(os.sep, '/')
+                  for f in filenames if not f.endswith('.pyc')]
+    return sorted(files)
+
+
+@pytest.fixture(scope='module')
+def wheel(tmp_path_factory):
+    src = tmp_path_factory.mktemp('src')
+    ignore = shutil.ignore_patterns('__pycache__', '*.pyc', '*.egg-info')
+    for name in SOURCES:
+        path = osp.join(REPO, name)
+        if osp.isdir(path):
+            shutil.copytree(path, src / name, ignore=ignore)
+        elif osp.isfile(path):
+            shutil.copy2(path, src / name)
+    out = tmp_path_factory.mktemp('wheelhouse')
+    res = subprocess.run(
+        [sys.executable, '-m', 'pip', 'wheel', str(src), '--no-deps', '--no-build-isolation',
+         '--no-index', '--disable-pip-version-check', '-q', '-w', str(out)],
+        capture_output=True, text=True, timeout=600, cwd=str(src))
+    assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
+    wheels = sorted(out.glob('linattn_mm-*.whl'))
+    assert len(wheels) == 1, os.listdir(out)
+    return wheels[0]
+
+
+def test_wheel_ships_every_config(wheel):
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+    prefix = 'linattn_mm/.mim/configs/'
+    shipped = {n[len(prefix):] for n in names if n.startswith(prefix) and not n.endswith('/')}
+    shipped = {n for n in shipped if '__pycache__' not in n and not n.endswith('.pyc')}
+    expected = set(_config_files())
+    assert expected, 'no configs found in the repository'
+    missing, extra = sorted(expected - shipped), sorted(shipped - expected)
+    assert not missing and not extra, (f'{len(missing)} configs missing from {wheel.name}: '
+                                       f'{missing[:20]}; {len(extra)} unexpected: {extra[:20]}')
+    assert 'linattn_mm/__init__.py' in names
+    assert any(re.fullmatch(r'linattn_mm-[^/]+\.dist-info/METADATA', n) for n in names)
+
+
+PROBE = r'''
+import importlib.metadata, json, os.path as osp, sys
+import linattn_mm
+from linattn_mm.apis import config_root, get_config
+from linattn_mm.demo import apply_demo
+cfg = get_config('mask-rcnn_pvtv2-b0_fpn_1x_coco')
+print(json.dumps(dict(
+    package=osp.dirname(osp.abspath(linattn_mm.__file__)),
+    root=osp.abspath(config_root()),
+    config_file=osp.abspath(cfg.filename),
+    scope=cfg.get('default_scope'),
+    demo_root=apply_demo(cfg).train_dataloader.dataset.data_root,
+    version=linattn_mm.__version__,
+    dist_version=importlib.metadata.version('linattn_mm'),
+    dist_path=str(importlib.metadata.distribution('linattn_mm')._path),
+)))
+'''
+
+
+def test_unpacked_wheel_finds_its_configs_and_version(wheel, tmp_path):
+    site = tmp_path / 'site'
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(site)
+    cwd = tmp_path / 'elsewhere'
+    cwd.mkdir()
+    # the unpacked wheel first on sys.path; the editable install's path hooks of the venv stay
+    # behind it, and the repository itself is neither the cwd nor on PYTHONPATH
+    env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
+    env['PYTHONPATH'] = str(site)
+    res = subprocess.run([sys.executable, '-c', PROBE], cwd=str(cwd), env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
+    import json
+    info = json.loads(res.stdout.strip().splitlines()[-1])
+    site_s = osp.realpath(site)
+
+    def inside(path):
+        return osp.realpath(path).startswith(site_s + os.sep)
+
+    assert inside(info['package']), info
+    assert inside(info['root']) and info['root'].replace(os.sep, '/').endswith(
+        'linattn_mm/.mim/configs'), info
+    assert inside(info['config_file']), info
+    assert info['scope'] == 'mmdet'
+    assert info['demo_root'] == 'data/demo/coco/'  # the demo overlay works from the wheel
+    assert inside(info['dist_path']), info
+    assert info['dist_version'] == info['version'] == linattn_mm.__version__
+
+
+def test_changelog_newest_version_is_package_version():
+    with open(osp.join(REPO, 'CHANGELOG.md'), encoding='utf-8') as f:
+        text = f.read()
+    heads = re.findall(r'^##\s+\[?v?(\d+\.\d+\.\d+[^\]\s]*)\]?', text, flags=re.M)
+    assert heads, 'CHANGELOG.md has no "## <version>" heading'
+    assert heads[0] == linattn_mm.__version__, (heads[0], linattn_mm.__version__)

@@ -1,0 +1,198 @@
+"""The test harness: the repository's paths, running the tools (in a subprocess or in this
+process), short-run options for any config, the demo form of a config, spying on calls, and the
+check that a converted module refuses calls that are not inference calls."""
+import json
+import os
+import os.path as osp
+import runpy
+import subprocess
+import sys
+
+import pytest
+
+REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))  # tests/harness.py -> the repository
+CONFIGS = osp.join(REPO, 'configs')
+CHECKPOINT_SUFFIXES = ('.pth', '.pt', '.safetensors')
+
+
+def drop_checkpoints(root):
+    """Delete checkpoint files under ``root`` (logs, configs and results stay); returns the
+    number of bytes freed."""
+    freed = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(CHECKPOINT_SUFFIXES):
+                path = osp.join(dirpath, name)
+                if osp.islink(path):
+                    os.unlink(path)
+                    continue
+                freed += osp.getsize(path)
+                os.remove(path)
+    return freed
+
+
+def record_calls(monkeypatch, owner, name):
+    """Replace ``owner.name`` (a function, or a method when ``owner`` is a class) by a wrapper that
+    still runs it and records the shape of its first tensor argument; returns the list of
+    shapes."""
+    import torch
+    calls, real = [], getattr(owner, name)
+
+    def spy(*args, **kwargs):
+        calls.append(next(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(owner, name, spy)
+    return calls
+
+
+def triton_interpret_checks(which):
+    """Run tests/kernels/triton_interpret_checks.py for ``which`` ('pola' or 'nala') in a subprocess with
+    ``TRITON_INTERPRET=1`` (the Triton kernels on CPU tensors); returns its case -> relative
+    error dict."""
+    tests = osp.join(REPO, 'tests')  # the script imports the oracles
+    env = dict(os.environ, TRITON_INTERPRET='1', PYTHONWARNINGS='ignore',
+               PYTHONPATH=os.pathsep.join(p for p in (tests, os.environ.get('PYTHONPATH')) if p))
+    out = subprocess.run([sys.executable, osp.join(REPO, 'tests', 'kernels', 'triton_interpret_checks.py'),
+                          which], env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+def run_tool(args, cwd=REPO, timeout=900):
+    """Run a tool script in a subprocess; return its output (asserting success)."""
+    env = dict(os.environ, PYTHONUNBUFFERED='1')
+    res = subprocess.run([sys.executable] + args, cwd=cwd, capture_output=True, text=True,
+                         env=env, timeout=timeout)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-5000:]
+    return out
+
+
+def metrics_of(out):
+    """The metrics dict printed by tools/test.py."""
+    line = [ln for ln in out.splitlines() if ln.startswith('linattn_mm metrics: ')][-1]
+    return json.loads(line[len('linattn_mm metrics: '):])
+
+
+def _dataset_path(loader_cfg, key):
+    ds, path = loader_cfg['dataset'], f'{key}.dataset'
+    while ds.get('type') in ('RepeatDataset', 'ClassBalancedDataset', 'ConcatDataset') and \
+            'dataset' in ds:
+        ds, path = ds['dataset'], path + '.dataset'
+    return path
+
+
+def short_run_options(cfg):
+    """cfg-options for one training iteration on 2 images and a test on 2 images, plus the
+    metric keys tools/test.py must report, for any mmdet / mmseg / mmpretrain config."""
+    scope = cfg.get('default_scope')
+    # no validation during the one-iteration run (the test pass evaluates), no optimizer state in
+    # the checkpoint: both only cost time here
+    train = [f'{_dataset_path(cfg.train_dataloader, "train_dataloader")}.indices=2',
+             'train_dataloader.batch_size=2', 'train_cfg.val_begin=100',
+             'default_hooks.checkpoint.save_optimizer=False']
+    train.append('train_cfg.max_epochs=1' if 'max_epochs' in cfg.train_cfg else
+                 'train_cfg.max_iters=1')
+    test = [f'{_dataset_path(cfg.test_dataloader, "test_dataloader")}.indices=2']
+    if scope == 'mmdet':
+        tc = cfg.model.get('test_cfg', {})
+        thr = 'model.test_cfg.rcnn.score_thr=0.0' if 'rcnn' in tc else 'model.test_cfg.score_thr=0.0'
+        train.append(thr)
+        test.append(thr)
+        # few proposals / sampled RoIs: the model is unchanged, the smoke run is much cheaper
+        trc = cfg.model.get('train_cfg', {})
+        if 'rpn_proposal' in trc:
+            train += ['model.train_cfg.rpn_proposal.nms_pre=200',
+                      'model.train_cfg.rpn_proposal.max_per_img=64']
+        rcnn = trc.get('rcnn')
+        if isinstance(rcnn, (list, tuple)):
+            train += [f'model.train_cfg.rcnn.{i}.sampler.num=64' for i in range(len(rcnn))]
+        elif rcnn is not None:
+            train.append('model.train_cfg.rcnn.sampler.num=64')
+        if 'rpn' in tc:
+            test += ['model.test_cfg.rpn.nms_pre=200', 'model.test_cfg.rpn.max_per_img=64']
+        metric = cfg.test_evaluator.get('metric', 'bbox')
+        metric = [metric] if isinstance(metric, str) else list(metric)
+        keys = [f'coco/{m}_mAP' for m in metric]
+    elif scope == 'mmseg':
+        keys = ['mIoU', 'aAcc']
+    elif scope == 'mmpretrain':
+        keys = ['accuracy/top1']
+    else:
+        raise ValueError(f'unexpected default_scope {scope!r}')
+    return train, test, keys
+
+
+_TOOLS = {}
+
+
+def reset_visualizers():
+    """Forget mmengine's process-wide visualizers. The stock configs name theirs 'visualizer', and
+    ``get_instance`` returns an existing instance with its old save_dir: a second in-process run
+    would write into the first run's (possibly deleted) work directory."""
+    from mmengine.visualization import Visualizer
+    todo = [Visualizer]
+    while todo:
+        cls = todo.pop()
+        cls._instance_dict.clear()
+        todo.extend(cls.__subclasses__())
+
+
+def tool_main(name):
+    """The ``main`` of tools/<name>.py, to run in this process as if it were a fresh one."""
+    if name not in _TOOLS:
+        _TOOLS[name] = runpy.run_path(osp.join(REPO, 'tools', f'{name}.py'),
+                                      run_name=f'linattn_tool_{name}')['main']
+    main = _TOOLS[name]
+
+    def fresh_main(*args, **kwargs):
+        reset_visualizers()
+        return main(*args, **kwargs)
+    return fresh_main
+
+
+def demo_form(config):
+    """The config file ``config`` with the demo overlay applied (what ``--demo`` runs)."""
+    from mmengine.config import Config
+
+    from linattn_mm.demo import apply_demo
+    return apply_demo(Config.fromfile(config))
+
+
+def train_and_test_inprocess(config, work_dir, demo=False):
+    """tools/train.py then tools/test.py (their main functions, in this process) for a short run
+    (with ``--demo`` when ``demo``). Returns the test metrics and the metric keys to check."""
+    from mmengine.config import Config
+    cfg = demo_form(config) if demo else Config.fromfile(config)
+    train_opts, test_opts, keys = short_run_options(cfg)
+    flags = ['--demo'] if demo else []
+    tool_main('train')([config, '--work-dir', work_dir] + flags + ['--cfg-options'] + train_opts)
+    with open(osp.join(work_dir, 'last_checkpoint')) as f:
+        ckpt = f.read().strip()
+    import io
+    from contextlib import redirect_stdout
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        tool_main('test')([config, ckpt, '--work-dir', work_dir] + flags + ['--cfg-options'] +
+                          test_opts)
+    metrics = metrics_of(buf.getvalue())
+    return metrics, keys
+
+
+def assert_inference_only(module, call, call_float32=None):
+    """A converted module (:func:`linattn_mm.deploy.convert`) refuses every call that is not an
+    inference call, with an error naming the problem: a gradient needed (``call()`` with grad
+    enabled), training mode, and autocast (``call_float32()`` under CPU bfloat16 autocast; the
+    module is left in float32 then). ``module`` is in eval mode before and after."""
+    import torch
+    with pytest.raises(RuntimeError, match='without gradients'):
+        call()
+    module.train()
+    with torch.no_grad(), pytest.raises(RuntimeError, match='training mode'):
+        call()
+    module.eval()
+    if call_float32 is not None:
+        with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16), \
+                pytest.raises(RuntimeError, match='autocast'):
+            call_float32()
+

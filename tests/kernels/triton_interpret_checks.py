@@ -1,0 +1,159 @@
+"""Run by tests/kernels/test_pola_triton.py and tests/kernels/test_nala_triton.py in a subprocess with
+``TRITON_INTERPRET=1`` (Triton's interpreter runs the kernels on CPU tensors; the variable must be
+set before the kernels are defined). Arguments: ``pola`` and / or ``nala`` (default both). Prints
+one JSON object: case name -> relative error against the float64 reference."""
+import json
+import sys
+
+import torch
+
+from linattn_mm import deploy
+from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d
+from linattn_mm.models.attentions.pola import PolaLinearAttention
+from linattn_mm.models.backbones import LinAttnSwin
+from linattn_mm.models.backbones.nalaformer import NaLaFormer
+from linattn_mm.ops.nala.triton import nala_attention_triton
+from linattn_mm.ops.pola.reference import polarity_attention_reference as polarity_attention
+from linattn_mm.ops.pola.triton import polarity_attention_triton
+from oracles.nala import nala_reference_core
+
+
+def rel(got, want):
+    got, want = got.double(), want.double()
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def triton_vs_reference(net, mixer_cls, *inputs):
+    """Relative error of ``net`` converted for CUDA (:func:`linattn_mm.deploy.convert`: every
+    ``mixer_cls`` on the Triton core, float32) against the same net with the mixers' reference
+    cores in float64 (the largest over tuple outputs)."""
+    mixers = [m for m in net.modules() if isinstance(m, mixer_cls)]
+    assert mixers
+    with torch.no_grad():
+        for m in mixers:
+            m.core = 'reference'
+        want = net.double()(*(t.double() if torch.is_tensor(t) else t for t in inputs))
+        for m in mixers:
+            m.core = 'fast'
+        deploy.convert(net.float(), 'cuda')
+        assert all(m.core == 'triton' and isinstance(m, deploy.InferenceForm) for m in mixers)
+        got = net(*inputs)
+    if torch.is_tensor(got):
+        return rel(got, want)
+    return max(rel(a, b) for a, b in zip(got, want))
+
+
+def core_cases():
+    """(name, B, h, N, n, d, position encoding, temperature, input dtype)."""
+    return [('fp32 d32 pe scale', 2, 3, 70, 70, 32, True, True, torch.float32),
+            ('fp32 odd d7 n<N no pe', 1, 2, 33, 17, 7, False, True, torch.float32),
+            ('fp32 d64 one head no scale', 1, 1, 129, 129, 64, True, False, torch.float32),
+            ('fp32 d8 several key chunks', 1, 1, 40, 300, 8, True, True, torch.float32),
+            ('bf16 d16', 2, 2, 50, 50, 16, True, True, torch.bfloat16),
+            ('fp16 d16', 1, 2, 50, 50, 16, True, True, torch.float16)]
+
+
+def run_core(res):
+    for name, B, h, N, n, d, pe, sc, dt in core_cases():
+        g = torch.Generator().manual_seed(len(res))
+        q = torch.randn(B, N, h * 4 * d, generator=g)[..., ::4]  # strided, like an unbind view
+        q = q.reshape(B, N, h, d).transpose(1, 2)
+        k, v = (torch.randn(B, h, n, d, generator=g) for _ in range(2))
+        p = 1 + 4 * torch.rand(1, h, 1, d, generator=g)
+        s = 0.5 + torch.rand(1, h, 1, d, generator=g)
+        bias = 0.3 * torch.randn(1, h, n, d, generator=g) if pe else None
+        q, k, v = q.to(dt), k.to(dt), v.to(dt)
+        bias = bias.to(dt) if pe else None
+        out = polarity_attention_triton(q, k, v, p, 1e-6, temperature=s if sc else None,
+                                        k_bias=bias, out_dtype=torch.float32)
+        assert out.shape == (B, h, N, d) and out.transpose(1, 2).is_contiguous()
+        # reference: the official order of operations in float64 on the same (rounded) inputs
+        qq, kk, vv = q.double(), k.double(), v.double()
+        if pe:
+            kk = kk + bias.double()
+        if sc:
+            qq, kk = qq / s.double(), kk / s.double()
+        res[name] = rel(out, polarity_attention(qq, kk, vv, p.double(), 1e-6))
+
+
+def randomise_pola_(m, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, prm in m.named_parameters():
+            if name.split('.')[-1] in ('power', 'scale', 'positional_encoding'):
+                prm.copy_(0.5 * torch.randn(prm.shape, generator=g))
+
+
+def run_modules(res):
+    cases = [('module qkvg', dict(qkv_layout='qkvg'), 0, (11, 13)),
+             ('module qg_kv la_sr 2', dict(la_sr_ratio=2), 0, (12, 9)),
+             ('module static gate, class token', dict(qkv_layout='qkvg', gate='static'), 1,
+              (7, 7))]
+    for i, (name, kw, e, hw) in enumerate(cases):
+        torch.manual_seed(i)
+        m = PolaLinearAttention(32, 4, pretrain_hw=(8, 8), num_extra_tokens=e, **kw).eval()
+        randomise_pola_(m, i)
+        x = torch.randn(2, e + hw[0] * hw[1], 32)
+        res[name] = triton_vs_reference(m, PolaLinearAttention, x, hw)
+    # a whole Pola-Swin backbone (global Pola in stages 1-2), every mixer on the Triton core
+    torch.manual_seed(0)
+    net = LinAttnSwin(arch=dict(embed_dims=32, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8]),
+                      attn_cfg=[dict(type='PolaLinearAttention', qkv_layout='qkvg')] * 2 + [
+                          dict(type='WindowSoftmaxAttention', window_size=7)] * 2).eval()
+    randomise_pola_(net, 7)
+    res['Pola-Swin backbone'] = triton_vs_reference(net, PolaLinearAttention,
+                                                    torch.randn(1, 3, 64, 96))
+
+
+def nala_cases():
+    """(name, B, h, (H, W), d, RoPE, lam, input dtype)."""
+    return [('nala fp32 d32 rope', 2, 3, (7, 10), 32, True, 3., torch.float32),
+            ('nala fp32 d16 no rope', 1, 2, (5, 7), 16, False, 3., torch.float32),
+            ('nala fp32 d12 rope (padded head dim)', 1, 2, (6, 6), 12, True, 3., torch.float32),
+            ('nala fp32 d64 rope (NaLaFormer head)', 1, 1, (6, 8), 64, True, 3., torch.float32),
+            ('nala fp32 lam 2 rope', 1, 1, (8, 9), 8, True, 2., torch.float32),
+            ('nala fp32 d8 several key chunks', 1, 1, (15, 20), 8, True, 3., torch.float32),
+            ('nala bf16 d16 rope', 2, 2, (7, 7), 16, True, 3., torch.bfloat16),
+            ('nala fp16 d16 rope', 1, 2, (7, 7), 16, True, 3., torch.float16)]
+
+
+def run_nala(res):
+    for name, B, h, hw, d, rope, lam, dt in nala_cases():
+        g = torch.Generator().manual_seed(len(res))
+        N = hw[0] * hw[1]
+        q = torch.randn(B, N, h * 4 * d, generator=g)[..., 1::4]  # strided, like an unbind view
+        q = q.reshape(B, N, h, d).transpose(1, 2)
+        k, v = (torch.randn(B, h, N, d, generator=g) for _ in range(2))
+        k = 0.7 * k
+        q, k, v = q.to(dt), k.to(dt), v.to(dt)
+        sin, cos = RoPE2d(d)(hw) if rope else (None, None)
+        out = nala_attention_triton(q, k, v, lam, 1e-6, sin, cos, out_dtype=torch.float32)
+        assert out.shape == (B, h, N, d) and out.transpose(1, 2).is_contiguous()
+        rope = None if sin is None else (sin.double(), cos.double())
+        res[name] = rel(out, nala_reference_core(q.double(), k.double(), v.double(), lam, 1e-6,
+                                                 rope))
+    for i, (name, kw, hw) in enumerate([('nala module rope', {}, (11, 13)),
+                                        ('nala module no rope, lam 2',
+                                         dict(use_rope=False, power=2.), (6, 9))]):
+        torch.manual_seed(i)
+        m = NormAwareLinearAttention(32, 2, **kw).eval()
+        x = torch.randn(2, hw[0] * hw[1], 32)
+        res[name] = triton_vs_reference(m, NormAwareLinearAttention, x, hw)
+    # the native NaLaFormer hierarchy with NaLa in every stage, every mixer on the Triton core
+    torch.manual_seed(0)
+    net = NaLaFormer(arch=dict(embed_dims=[16, 32, 32, 32], depths=[1, 1, 1, 1],
+                               num_heads=[1, 2, 2, 2], mlp_ratios=[2, 2, 2, 2]),
+                     attn_cfg=dict(type='NormAwareLinearAttention')).eval()
+    res['NaLaFormer backbone'] = triton_vs_reference(net, NormAwareLinearAttention,
+                                                     torch.randn(1, 3, 64, 96))
+
+
+if __name__ == '__main__':
+    results = {}
+    which = sys.argv[1:] or ['pola', 'nala']
+    if 'pola' in which:
+        run_core(results)
+        run_modules(results)
+    if 'nala' in which:
+        run_nala(results)
+    json.dump(results, sys.stdout)

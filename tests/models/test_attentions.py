@@ -1,0 +1,205 @@
+"""Softmax reference mixers against direct implementations written from the formulas (float64)."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness import assert_inference_only, record_calls
+
+from linattn_mm import deploy
+from linattn_mm.models.attentions import (GlobalSoftmaxAttention, SRSoftmaxAttention,
+                                          WindowSoftmaxAttention, build_attention,
+                                          list_attentions)
+
+
+def naive_mha(q, k, v, bias=None):
+    """q, k, v: (h, N, d) float64; softmax(q k^T / sqrt(d) + bias) v."""
+    logits = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if bias is not None:
+        logits = logits + bias
+    return torch.softmax(logits, -1) @ v
+
+
+def split_heads(t, h):
+    N, C = t.shape
+    return t.view(N, h, C // h).transpose(0, 1)
+
+
+@pytest.mark.parametrize('extra', [0, 1])
+def test_global_attention_matches_formula(extra):
+    torch.manual_seed(0)
+    C, h, H, W = 12, 3, 3, 5
+    m = GlobalSoftmaxAttention(C, h, num_extra_tokens=extra).double().eval()
+    x = torch.randn(2, extra + H * W, C, dtype=torch.float64)
+    out = m(x, (H, W))
+    for b in range(2):
+        qkv = x[b] @ m.qkv.weight.T + m.qkv.bias
+        q, k, v = (split_heads(t, h) for t in qkv.split(C, -1))
+        o = naive_mha(q, k, v).transpose(0, 1).reshape(-1, C)
+        ref = o @ m.proj.weight.T + m.proj.bias
+        torch.testing.assert_close(out[b], ref, rtol=1e-10, atol=1e-10)
+
+
+def swin_reference(m, x, H, W):
+    """Direct Swin (S)W-MSA: pad, roll, and for every pair of tokens in the same window add the
+    relative position bias; pairs from different pre-shift regions get -100 (as Swin does)."""
+    ws, s, h = m.window_size, m.shift_size, m.num_heads
+    if H <= ws and W <= ws:
+        s = 0  # the official Swin does not shift a map that fits in one window
+    B, N, C = x.shape
+    Hp, Wp = math.ceil(H / ws) * ws, math.ceil(W / ws) * ws
+    grid = torch.zeros(B, Hp, Wp, C, dtype=x.dtype)
+    grid[:, :H, :W] = x.view(B, H, W, C)
+    rolled = torch.roll(grid, (-s, -s), (1, 2)) if s else grid
+
+    def region(p, size):
+        if not s:
+            return 0
+        return 0 if p < size - ws else (1 if p < size - s else 2)
+
+    out_rolled = torch.zeros_like(rolled)
+    table = m.relative_position_bias_table.detach()
+    for b in range(B):
+        for wy in range(Hp // ws):
+            for wx in range(Wp // ws):
+                coords = [(wy * ws + i, wx * ws + j) for i in range(ws) for j in range(ws)]
+                toks = torch.stack([rolled[b, y, x_] for y, x_ in coords])
+                n = len(coords)
+                bias = torch.zeros(h, n, n, dtype=x.dtype)
+                for a, (ya, xa) in enumerate(coords):
+                    for c, (yc, xc) in enumerate(coords):
+                        dy, dx = ya - yc, xa - xc
+                        bias[:, a, c] = table[(dy + ws - 1) * (2 * ws - 1) + dx + ws - 1]
+                        if (region(ya, Hp), region(xa, Wp)) != (region(yc, Hp), region(xc, Wp)):
+                            bias[:, a, c] += -100.0
+                qkv = toks @ m.qkv.weight.T + m.qkv.bias
+                q, k, v = (split_heads(t, h) for t in qkv.split(C, -1))
+                o = naive_mha(q, k, v, bias).transpose(0, 1).reshape(n, C)
+                o = o @ m.proj.weight.T + m.proj.bias
+                for a, (y, x_) in enumerate(coords):
+                    out_rolled[b, y, x_] = o[a]
+    out = torch.roll(out_rolled, (s, s), (1, 2)) if s else out_rolled
+    return out[:, :H, :W].reshape(B, H * W, C)
+
+
+@pytest.mark.parametrize('block_idx,hw', [(0, (7, 7)), (1, (7, 7)), (0, (9, 11)), (1, (9, 11)),
+                                          (1, (4, 6)), (1, (3, 4))])
+def test_window_attention_matches_direct_swin(block_idx, hw):
+    torch.manual_seed(1)
+    m = WindowSoftmaxAttention(8, 2, window_size=4, block_idx=block_idx).double().eval()
+    torch.nn.init.normal_(m.relative_position_bias_table, std=1.0)
+    assert m.shift_size == (2 if block_idx % 2 else 0)
+    H, W = hw
+    x = torch.randn(2, H * W, 8, dtype=torch.float64)
+    torch.testing.assert_close(m(x, hw), swin_reference(m, x, H, W), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize('block_idx,hw', [(0, (9, 11)), (1, (9, 11)), (1, (7, 7)), (1, (4, 6))])
+@pytest.mark.parametrize('group_tokens', [40, 10_000])  # 2 windows per group; all in one group
+def test_window_attention_grouped_inference_matches_direct_swin(block_idx, hw, group_tokens,
+                                                                monkeypatch):
+    """The CPU inference form runs the windows group by group (groups span two images here)."""
+    import linattn_mm.deploy.mixers as mixers_mod
+    monkeypatch.setattr(mixers_mod, 'WINDOW_GROUP_TOKENS', group_tokens)
+    calls = record_calls(monkeypatch, mixers_mod.WindowSoftmaxAttentionCPU, 'forward')
+    torch.manual_seed(1)
+    m = WindowSoftmaxAttention(8, 2, window_size=4, block_idx=block_idx).double().eval()
+    torch.nn.init.normal_(m.relative_position_bias_table, std=1.0)
+    H, W = hw
+    x = torch.randn(3, H * W, 8, dtype=torch.float64)
+    deploy.convert(m)
+    assert type(m) is mixers_mod.WindowSoftmaxAttentionCPU
+    with torch.no_grad():
+        got = m(x, hw)
+    assert calls == [(3, H * W, 8)]
+    torch.testing.assert_close(got, swin_reference(m, x, H, W), rtol=1e-9, atol=1e-9)
+    assert_inference_only(m, lambda: m(x, hw), lambda: m.float()(x.float(), hw))
+    refused = len(calls)  # the refused calls entered the inference form's forward
+    deploy.revert(m.double())
+    m(x, hw)  # the plain form again: gradients, training mode
+    assert len(calls) == refused
+
+
+def test_window_attention_shift_option():
+    assert WindowSoftmaxAttention(8, 2, window_size=4, shift=True, block_idx=0).shift_size == 2
+    assert WindowSoftmaxAttention(8, 2, window_size=4, shift=False, block_idx=1).shift_size == 0
+    with pytest.raises(ValueError, match='shift'):
+        WindowSoftmaxAttention(8, 2, shift='sometimes')
+
+
+@pytest.mark.parametrize('sr,linear,extra', [(1, False, 0), (2, False, 0), (2, False, 1),
+                                             (1, True, 0)])
+def test_sr_attention_matches_formula(sr, linear, extra):
+    torch.manual_seed(2)
+    C, h, H, W = 8, 2, 6, 8
+    m = SRSoftmaxAttention(C, h, sr_ratio=sr, linear=linear, num_extra_tokens=extra).double()
+    m.eval()
+    x = torch.randn(2, extra + H * W, C, dtype=torch.float64)
+    out = m(x, (H, W))
+    for b in range(2):
+        grid = x[b, extra:].T.reshape(1, C, H, W)
+        if linear:
+            red = F.conv2d(F.adaptive_avg_pool2d(grid, 7), m.sr.weight, m.sr.bias)
+            red = F.gelu(F.layer_norm(red.flatten(2)[0].T, (C, ), m.norm.weight, m.norm.bias))
+        elif sr > 1:
+            red = F.conv2d(grid, m.sr.weight, m.sr.bias, stride=sr)
+            red = F.layer_norm(red.flatten(2)[0].T, (C, ), m.norm.weight, m.norm.bias)
+        else:
+            red = x[b, extra:]
+        kv_src = torch.cat([x[b, :extra], red]) if extra and (sr > 1 or linear) else (
+            x[b] if not (sr > 1 or linear) else red)
+        q = split_heads(x[b] @ m.q.weight.T + m.q.bias, h)
+        kv = kv_src @ m.kv.weight.T + m.kv.bias
+        k, v = (split_heads(t, h) for t in kv.split(C, -1))
+        ref = naive_mha(q, k, v).transpose(0, 1).reshape(-1, C) @ m.proj.weight.T + m.proj.bias
+        torch.testing.assert_close(out[b], ref, rtol=1e-10, atol=1e-10)
+
+
+def test_sr_attention_too_small_grid():
+    m = SRSoftmaxAttention(8, 2, sr_ratio=4)
+    with pytest.raises(ValueError, match='smaller than sr_ratio=4'):
+        m(torch.randn(1, 9, 8), (3, 3))
+
+
+def test_input_shape_is_checked():
+    m = GlobalSoftmaxAttention(8, 2)
+    with pytest.raises(ValueError, match=r'hw_shape=\(3, 3\)'):
+        m(torch.randn(1, 10, 8), (3, 3))
+
+
+def test_build_attention_context_and_errors():
+    m = build_attention(dict(type='WindowSoftmaxAttention', window_size=3), embed_dims=8,
+                        num_heads=2, block_idx=1, sr_ratio=8, num_extra_tokens=0)
+    assert isinstance(m, WindowSoftmaxAttention) and m.shift_size == 1  # sr_ratio ignored
+    m = build_attention(dict(type='SRSoftmaxAttention'), embed_dims=8, num_heads=2, sr_ratio=4)
+    assert m.sr_ratio == 4
+    m = build_attention(dict(type='SRSoftmaxAttention', sr_ratio=2), embed_dims=8, num_heads=2,
+                        sr_ratio=4)
+    assert m.sr_ratio == 2  # the user's option wins over the skeleton's context
+    with pytest.raises(KeyError, match='valid types: .*GlobalSoftmaxAttention'):
+        build_attention(dict(type='NoSuchAttention'), embed_dims=8, num_heads=2)
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['windowsize'\].*window_size"):
+        build_attention(dict(type='WindowSoftmaxAttention', windowsize=7), embed_dims=8,
+                        num_heads=2)
+    with pytest.raises(ValueError, match='not divisible'):
+        build_attention(dict(type='GlobalSoftmaxAttention'), embed_dims=10, num_heads=3)
+    with pytest.raises(ValueError, match='extra'):
+        build_attention(dict(type='WindowSoftmaxAttention'), embed_dims=8, num_heads=2,
+                        num_extra_tokens=1)
+    assert {'GlobalSoftmaxAttention', 'SRSoftmaxAttention',
+            'WindowSoftmaxAttention'} <= set(list_attentions())
+
+
+@pytest.mark.parametrize('B', [1, 3])
+def test_token_map_views_are_channels_last(B):
+    """``nlc_to_nchw`` views contiguous tokens as a map with channels-last strides, batch stride
+    included (for B = 1 too, so that a conv takes the map as it is instead of copying it to
+    NCHW), and ``nchw_to_nlc`` undoes it."""
+    from linattn_mm.models.utils.layers import nchw_to_nlc, nlc_to_nchw
+    x = torch.randn(B, 6 * 7, 5)
+    m = nlc_to_nchw(x, (6, 7))
+    assert m.shape == (B, 5, 6, 7) and m.data_ptr() == x.data_ptr()
+    assert m.stride() == (6 * 7 * 5, 1, 7 * 5, 5)
+    assert torch.equal(m[:, :, 2, 3], x[:, 2 * 7 + 3])
+    assert torch.equal(nchw_to_nlc(m), x)

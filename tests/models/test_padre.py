@@ -1,0 +1,298 @@
+"""PADRe: the polynomial mixer against the recursion written out directly (float64, degrees 2-4),
+parameter / FLOP figures of PADRe-DeiT-T next to the paper's, cost linear in tokens (counted),
+arbitrary input sizes through the skeletons and mixed precision with large inputs."""
+import pytest
+import torch
+from oracles.shapes import assert_pyramid_outputs
+from torch.utils.flop_counter import FlopCounterMode
+
+import linattn_mm  # noqa: F401
+from linattn_mm.models.attentions import build_attention
+from linattn_mm.models.attentions.padre import PADReMixer, padre_cost
+from linattn_mm.models.backbones import LinAttnPVT, LinAttnSwin, LinAttnViT
+
+PADRE = dict(type='PADReMixer')
+
+
+def randomise_(module, seed=0):
+    """Non-trivial values for every parameter (the per-degree / class-token weights are ones)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+    return module
+
+
+# ------------------------------------------------------------------------------------------------
+# the recursion, written out
+# ------------------------------------------------------------------------------------------------
+def dw_conv_direct(t, kernel, bias, hw, mode):
+    """Depth-wise 'same' convolution by explicit zero padding and a sum of shifted copies.
+
+    t: (B, H*W, c) row-major grid tokens; kernel: (c, 1, k, k) or (c, 1, k); bias: (c,) or None.
+    """
+    B, _, c = t.shape
+    H, W = hw
+    k = kernel.shape[-1]
+    r = k // 2
+    out = torch.zeros_like(t)
+    if mode == '2d':
+        g = t.reshape(B, H, W, c)
+        padded = torch.zeros(B, H + 2 * r, W + 2 * r, c, dtype=t.dtype)
+        padded[:, r:r + H, r:r + W] = g
+        acc = torch.zeros_like(g)
+        for i in range(k):
+            for j in range(k):
+                acc = acc + padded[:, i:i + H, j:j + W] * kernel[:, 0, i, j]
+        out = acc.reshape(B, H * W, c)
+    else:
+        n = H * W
+        padded = torch.zeros(B, n + 2 * r, c, dtype=t.dtype)
+        padded[:, r:r + n] = t
+        for i in range(k):
+            out = out + padded[:, i:i + n] * kernel[:, 0, i]
+    return out + (bias if bias is not None else 0)
+
+
+def direct_padre(m, x, hw):
+    """Y_i = A_i X B_i, Z_1 = Y_1, Z_{i+1} = (C_i Z_i D_i) ⊙ Y_{i+1}, P = proj(sum_{i>=2} w_i ⊙ Z_i)
+    with the module's weights, every step written out (no module code path)."""
+    C, d, e = m.embed_dims, m.degree, m.num_extra_tokens
+    pool = e > 0 and m.cls_mode == 'pool'
+
+    def token_mix(t, conv, ab):
+        grid = dw_conv_direct(t[:, e:], conv.weight, conv.bias, hw, m.token_mixing)
+        if not e:
+            return grid
+        cls = t[:, :e]
+        if pool:
+            cls = ab[0] * cls + ab[1] * t[:, e:].mean(dim=1, keepdim=True)
+        return torch.cat([cls, grid], dim=1)
+
+    ys = []
+    for i in range(d):  # Y_i, one degree at a time
+        Wb = m.y_pw.weight[i * C:(i + 1) * C]
+        bb = m.y_pw.bias[i * C:(i + 1) * C]
+        conv = torch.nn.Conv2d(1, 1, 1)  # a holder for the degree-i slice of the fused conv
+        conv.weight = torch.nn.Parameter(m.y_dw.weight[i * C:(i + 1) * C])
+        conv.bias = torch.nn.Parameter(m.y_dw.bias[i * C:(i + 1) * C])
+        ab = m.cls_y[:, i * C:(i + 1) * C] if pool else None
+        ys.append(token_mix(x @ Wb.T + bb, conv, ab))
+    z = ys[0]
+    total = 0
+    for i in range(d - 1):
+        cz = token_mix(z @ m.z_pw[i].weight.T + m.z_pw[i].bias, m.z_dw[i],
+                       m.cls_z[i] if pool else None)
+        z = cz * ys[i + 1]
+        total = total + m.degree_weight[i] * z
+    return total @ m.proj.weight.T + m.proj.bias
+
+
+@pytest.mark.parametrize('degree', [2, 3, 4])
+@pytest.mark.parametrize('extra,cls_mode', [(0, 'pool'), (1, 'pool'), (1, 'identity')])
+@pytest.mark.parametrize('mode,hw', [('2d', (7, 9)), ('2d', (13, 5)), ('1d', (1, 23))])
+def test_mixer_matches_direct_recursion_float64(degree, extra, cls_mode, mode, hw):
+    torch.manual_seed(degree)
+    m = PADReMixer(24, degree=degree, kernel_size=11 if mode == '2d' else 5, token_mixing=mode,
+                   cls_mode=cls_mode, num_extra_tokens=extra)
+    randomise_(m, seed=degree).double().eval()
+    x = torch.randn(2, extra + hw[0] * hw[1], 24, dtype=torch.float64)
+    with torch.no_grad():
+        got = m(x, hw)
+        want = direct_padre(m, x, hw)
+    assert got.dtype == torch.float64 and got.shape == x.shape
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize('degree', [2, 3, 4])
+def test_homogeneous_polynomial_without_biases(degree):
+    """With every bias removed, sum_i w_i Z_i has terms of degrees 2..d only (Lemma 1; no degree-1
+    term): P(l x) = sum_{i=2..d} l^i P_i(x). Checked through a Vandermonde solve in float64."""
+    torch.manual_seed(0)
+    m = randomise_(PADReMixer(16, degree=degree, bias=False)).double()
+    with torch.no_grad():
+        m.proj.bias.zero_()
+    x = torch.randn(1, 6 * 5, 16, dtype=torch.float64)
+    lams = torch.tensor([0.5, 1., 1.5, 2., 3.], dtype=torch.float64)[:degree + 1]
+    with torch.no_grad():
+        outs = torch.stack([m(lam * x, (6, 5)).flatten() for lam in lams])  # (L, n)
+    V = torch.stack([lams ** p for p in range(degree + 1)], dim=1)  # powers 0..d
+    coeff = torch.linalg.solve(V, outs)  # (d+1, n): the degree-p parts
+    scale = outs.abs().max()
+    assert coeff[0].abs().max() < 1e-9 * scale  # no degree 0
+    assert coeff[1].abs().max() < 1e-9 * scale  # no degree 1 (the block residual supplies it)
+    assert coeff[degree].abs().max() > 1e-3 * scale  # the top degree is there
+
+
+def test_options_and_errors():
+    m = build_attention(dict(PADRE, degree=3), embed_dims=64, num_heads=4, num_extra_tokens=0,
+                        sr_ratio=8, pretrain_hw=(56, 56))
+    assert isinstance(m, PADReMixer) and m.degree == 3 and m.skeleton_num_heads == 4
+    # no size-dependent parameter: every parameter shape is independent of the grid
+    assert {tuple(p.shape) for p in m.parameters()} == {
+        (192, 64), (192,), (192, 1, 11, 11), (64, 64), (64,), (64, 1, 11, 11), (2, 64)}
+    for bad in (dict(degree=1), dict(degree=5), dict(norm='bn'), dict(cls_mode='x'),
+                dict(kernel_size=4), dict(token_mixing='3d')):
+        with pytest.raises(ValueError):
+            PADReMixer(32, **bad)
+    with pytest.raises(ValueError):
+        PADReMixer(32)(torch.randn(1, 10, 32), (3, 4))
+    # the LayerNorm switch bounds Y_i: without the Y biases the output ignores the input scale
+    ln = PADReMixer(32, degree=3, norm='ln', bias=False).eval()
+    x = torch.randn(1, 20, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(ln(x * 100, (4, 5)), ln(x, (4, 5)), rtol=1e-3, atol=1e-3)
+
+
+# ------------------------------------------------------------------------------------------------
+# parameters and FLOPs
+# ------------------------------------------------------------------------------------------------
+def _macs(module, *args):
+    """Multiply-accumulates counted by ``torch.utils.flop_counter.FlopCounterMode`` (it reports
+    2 FLOPs per MAC for matmuls and convolutions; element-wise ops are not counted)."""
+    with FlopCounterMode(display=False) as fc, torch.no_grad():
+        module(*args)
+    return fc.get_total_flops() // 2
+
+
+def _deit_t_figures(degree):
+    """(params, GMACs) of the PADRe-DeiT-T classifier at 224x224 (backbone + 1000-way linear
+    head), as in Table 2 (whose "FLOPs" are multiply-accumulates, the DeiT convention)."""
+    m = LinAttnViT(arch='t', attn_cfg=dict(PADRE, degree=degree), out_type='cls_token').eval()
+    head_params, head_macs = 192 * 1000 + 1000, 192 * 1000
+    params = sum(p.numel() for p in m.parameters()) + head_params
+    macs = _macs(m, torch.randn(1, 3, 224, 224)) + head_macs
+    return params, macs, m
+
+
+# Paper, Table 2 (PADRe-DeiT-T): degree -> (GFLOPs, M params). Measured here (FlopCounterMode,
+# 224x224, head included): degree 2: 1.239 GMACs, 6.577M params; degree 3: 1.522 GMACs, 8.040M.
+# Tolerances: FLOPs within 15% of the paper's figure (the per-degree module count is not stated in
+# the paper; the spec's instance, 2d point-wise layers and 2d-1 depth-wise 11x11 convs per mixer,
+# is +3% at degree 2 and -10% at degree 3). Parameters are NOT within a tolerance of the paper:
+# this instance has 6.58M / 8.04M against the paper's 5M / 7M (a known gap, documented in
+# docs/model_zoo/padre.md: the paper does not specify its per-degree modules); they are printed
+# next to the paper's and pinned exactly below.
+PAPER_DEIT_T = {2: (1.2, 5), 3: (1.7, 7)}
+FLOP_RTOL = 0.15
+
+
+@pytest.mark.parametrize('degree', [2, 3])
+def test_deit_t_params_and_flops_next_to_paper(degree):
+    params, macs, m = _deit_t_figures(degree)
+    paper_g, paper_m = PAPER_DEIT_T[degree]
+    print(f'PADRe-{degree} DeiT-T: {params / 1e6:.3f}M params (paper {paper_m}M), '
+          f'{macs / 1e9:.3f} GMACs (paper {paper_g})')
+    assert abs(macs / 1e9 - paper_g) / paper_g <= FLOP_RTOL
+    # the counted mixer cost equals the analytic formula (196 grid tokens + the class token)
+    attn = m.blocks[0].attn
+    mixer_macs = _macs(attn, torch.randn(1, 197, 192), (14, 14))
+    assert mixer_macs == padre_cost(192, degree, 196, num_extra_tokens=1)
+    # exact figures, so a silent change of the instance is noticed
+    expect = {2: (6_576_808, 1_238_776_320), 3: (8_039_848, 1_522_352_640)}[degree]
+    assert (params, macs) == expect
+
+
+def test_degree_increments_match_the_instance():
+    """Each added degree adds one Y (point-wise + depth-wise) and one C/D pair per block."""
+    p2, g2, _ = _deit_t_figures(2)
+    p3, g3, _ = _deit_t_figures(3)
+    per_block = 2 * (192 * 192 + 192) + 2 * (121 * 192 + 192) + 2 * 192 + 192 * 2 + 192
+    assert p3 - p2 == 12 * per_block
+    assert g3 - g2 == 12 * (2 * 197 * 192 ** 2 + 2 * 196 * 192 * 121)
+
+
+@pytest.mark.parametrize('degree', [2, 3, 4])
+def test_mixer_cost_linear_in_tokens(degree):
+    """Counted (not timed) MACs of one mixer: exactly proportional to the token count."""
+    m = PADReMixer(64, degree=degree)
+    per_token = None
+    for hw in [(8, 8), (16, 16), (32, 32), (64, 64), (20, 37)]:
+        n = hw[0] * hw[1]
+        macs = _macs(m, torch.randn(1, n, 64), hw)
+        assert macs == padre_cost(64, degree, n)
+        if per_token is None:
+            per_token = macs / n
+        assert macs / n == per_token, (hw, macs / n, per_token)
+
+
+# ------------------------------------------------------------------------------------------------
+# arbitrary input sizes through the skeletons
+# ------------------------------------------------------------------------------------------------
+def _pvt_t():
+    return LinAttnPVT(arch='t', attn_cfg=PADRE)
+
+
+def _swin_t():
+    return LinAttnSwin(arch='t', attn_cfg=[dict(PADRE, degree=2), dict(PADRE, degree=2),
+                                           dict(PADRE, degree=3), dict(PADRE, degree=3)])
+
+
+def _deit_t():
+    return LinAttnViT(arch='t', attn_cfg=dict(PADRE, degree=3))
+
+
+@pytest.mark.parametrize('build,channels', [
+    (_pvt_t, (64, 128, 320, 512)), (_swin_t, (96, 192, 384, 768)), (_deit_t, (192,) * 4),
+])
+@pytest.mark.parametrize('size', [(33, 47), (200, 334)])
+def test_skeleton_output_shapes_at_odd_sizes(build, channels, size):
+    torch.manual_seed(0)
+    assert_pyramid_outputs(build(), size, channels, plain_vit=build is _deit_t)
+
+
+def test_mixer_on_a_200x334_grid_and_translation_equivariance():
+    """Stage 1 of a 1333x800 image; away from the zero-padded border, shifting the input shifts
+    the output (no position-dependent parameter)."""
+    torch.manual_seed(0)
+    m = PADReMixer(16, degree=2).eval()
+    g = torch.randn(1, 200, 334, 16)
+    with torch.no_grad():
+        y = m(g.reshape(1, -1, 16), (200, 334)).reshape(1, 200, 334, 16)
+        ys = m(g.roll(3, dims=2).reshape(1, -1, 16), (200, 334)).reshape(1, 200, 334, 16)
+    assert torch.isfinite(y).all()
+    r = 2 * 5 + 3  # receptive radius of degree 2 (two 11x11 convs) + the shift
+    torch.testing.assert_close(ys[:, r:-r, r + 3:-r], y[:, r:-r, r:-r - 3], rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# mixed precision
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize('degree', [2, 3, 4])
+@pytest.mark.parametrize('extra', [0, 1])
+def test_no_overflow_under_autocast(dtype, degree, extra):
+    torch.manual_seed(0)
+    m = PADReMixer(64, degree=degree, num_extra_tokens=extra)
+    x = (torch.randn(2, extra + 9 * 11, 64) * 100).requires_grad_()
+    with torch.autocast('cpu', dtype=dtype):
+        y = m(x, (9, 11))
+    with torch.no_grad():
+        ref = m(x.detach(), (9, 11))
+    # the degree-d terms leave the float16 range: Y_1 * ... * Y_d is far above 65504
+    with torch.no_grad():
+        ys = m.y_pw(x.detach())
+        assert ys.abs().max() ** degree > 65504
+    assert torch.isfinite(y).all()
+    y.float().square().mean().backward()
+    assert torch.isfinite(x.grad).all()
+    for name, p in m.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    rel = (y.float() - ref).norm() / ref.norm()
+    assert rel < (0.05 if dtype == torch.bfloat16 else 0.01), rel
+
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize('norm', [None, 'ln'])
+def test_backbone_no_overflow_under_autocast(dtype, norm):
+    torch.manual_seed(0)
+    arch = dict(embed_dims=32, depths=[1, 1, 1, 1], num_heads=[1, 2, 2, 4])
+    m = LinAttnSwin(arch=arch, attn_cfg=dict(PADRE, degree=4, norm=norm))
+    x = torch.randn(2, 3, 64, 96) * 100
+    with torch.autocast('cpu', dtype=dtype):
+        outs = m(x)
+    assert all(torch.isfinite(o).all() for o in outs)
+    sum(o.float().square().mean() for o in outs).backward()
+    for name, p in m.named_parameters():
+        if p.grad is not None:
+            assert torch.isfinite(p.grad).all(), name
