@@ -9,6 +9,10 @@ backward than plain autograd and recompute the rest (same values, same gradients
   ``g``, not their product.
 * :class:`NormGatedLinear` — ``linear(layer_norm(s) * silu(g))`` (NaLa's output): keeps ``s``,
   its LayerNorm statistics and ``g``, not the normalised map, the gate or their product.
+* :class:`SplitLinear` — ``linear(x).chunk(parts, -1)`` (the mixers' ``qkvg`` / ``qg`` / ``kv``
+  projections): the same forward; its backward takes the parts' gradients one by one, where plain
+  autograd first stacks them into one full-width gradient (a fresh (N, parts C) map, the costliest
+  copy of a Pola layer's backward on CPU).
 * :func:`recomputed` — any function of a mixer that keeps only its inputs and runs once more in
   the backward (PADRe, Poly-SA and SeT, whose polynomial products, pooled terms or transport
   plans are many maps a token but cheap to recompute from the mixer's input).
@@ -20,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ['DepthwiseConvTokens', 'GatedLinear', 'NormGatedLinear', 'recomputed',
+__all__ = ['DepthwiseConvTokens', 'GatedLinear', 'NormGatedLinear', 'SplitLinear', 'split_linear',
+           'recomputed',
            'depthwise_weight_grad', 'WEIGHT_GRAD_BANDS']
 
 
@@ -160,3 +165,51 @@ class NormGatedLinear(torch.autograd.Function):
             dn, s, (C, ), mean, rstd, ln_w, ln_b,
             [need[0], ln_w is not None and need[1], ln_b is not None and need[2]])
         return ds, dlw, dlb, None, dg, _to(dw, weight), _to(db, weight)
+
+
+class SplitLinear(torch.autograd.Function):
+    """``linear(x, weight, bias)`` split into ``parts`` equal chunks of the last dim (views of
+    one output). The backward adds ``grad_i @ W_i`` over the parts that got a gradient and writes
+    each part's weight and bias gradient into its rows."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, parts):
+        y = F.linear(x, weight, bias)
+        ctx.parts, ctx.has_bias = parts, bias is not None
+        ctx.save_for_backward(x, weight)
+        return y.unflatten(-1, (parts, y.shape[-1] // parts)).unbind(-2)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, weight = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        C_in = x.shape[-1]
+        live = [(i, g.reshape(-1, g.shape[-1])) for i, g in enumerate(grads) if g is not None]
+        if not live:
+            return None, None, None, None
+        dt = live[0][1].dtype
+        rows = weight.shape[0] // ctx.parts
+        w = weight.to(dt)
+        x2 = x.reshape(-1, C_in)
+        dx = dw = db = None
+        if need[0]:
+            for i, g in live:
+                w_i = w[i * rows:(i + 1) * rows]
+                dx = g @ w_i if dx is None else dx.addmm_(g, w_i)
+            dx = dx.view(x.shape).to(x.dtype)
+        if need[1] or (ctx.has_bias and need[2]):
+            x2 = x2.to(dt)
+            dw = torch.zeros_like(weight, dtype=dt) if need[1] else None
+            db = torch.zeros(weight.shape[0], dtype=dt, device=weight.device) \
+                if ctx.has_bias and need[2] else None
+            for i, g in live:
+                if dw is not None:
+                    torch.mm(g.t(), x2, out=dw[i * rows:(i + 1) * rows])
+                if db is not None:
+                    torch.sum(g, 0, out=db[i * rows:(i + 1) * rows])
+        return dx, _to(dw, weight), _to(db, weight), None
+
+
+def split_linear(x, linear, parts):
+    """:class:`SplitLinear` with the parameters of ``linear``: a tuple of ``parts`` tensors."""
+    return SplitLinear.apply(x, linear.weight, linear.bias, parts)

@@ -4,6 +4,7 @@ the attention cores (Pola; NaLa with both kernels), the FFN halves, the small le
 backbones (with gradient checkpointing, frozen stages, class tokens, ``la_sr_ratio``, odd sizes);
 and what the lean layers keep for backward."""
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -60,7 +61,8 @@ def rand(*shape, dtype, g, scale=1., grad=True):
 @pytest.mark.parametrize('dtype', DTYPES)
 @pytest.mark.parametrize('B,h,N,n,d', [(2, 3, 37, 37, 8), (1, 2, 40, 13, 7), (2, 1, 17, 17, 6)])
 @pytest.mark.parametrize('frozen', [False, True])  # exponents / temperature / PE without grads
-def test_pola_core(dtype, B, h, N, n, d, frozen):
+@pytest.mark.parametrize('rows', [None, 5])  # the backward in one chunk, or in chunks of 5 tokens
+def test_pola_core(dtype, B, h, N, n, d, frozen, rows):
     g = torch.Generator().manual_seed(N)
     q, k, v = rand(B, h, N, d, dtype=dtype, g=g), rand(B, h, n, d, dtype=dtype, g=g), \
         rand(B, h, n, d, dtype=dtype, g=g)
@@ -69,8 +71,19 @@ def test_pola_core(dtype, B, h, N, n, d, frozen):
     p = (1 + 4 * torch.rand(1, h, 1, d, generator=g, dtype=dtype)).requires_grad_(not frozen)
     s = (0.5 + torch.rand(1, h, 1, d, generator=g, dtype=dtype)).requires_grad_(not frozen)
     b = rand(1, h, n, d, dtype=dtype, g=g, scale=0.3, grad=not frozen)
-    assert_same_gradients(polarity_attention_fast, polarity_attention_reference,
-                          [q, k, v, p, 1e-6, s, b], dtype)
+    assert_same_gradients(partial(polarity_attention_fast, rows=rows),
+                          polarity_attention_reference, [q, k, v, p, 1e-6, s, b], dtype)
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+def test_pola_core_bias_shared_by_the_tokens(dtype):
+    """A key bias broadcast over the tokens (1, h, 1, d), the backward in chunks of 4 tokens."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (rand(2, 2, 11, 6, dtype=dtype, g=g) for _ in range(3))
+    p = (1 + 4 * torch.rand(1, 2, 1, 6, generator=g, dtype=dtype)).requires_grad_()
+    b = rand(1, 2, 1, 6, dtype=dtype, g=g, scale=0.3)
+    assert_same_gradients(partial(polarity_attention_fast, rows=4), polarity_attention_reference,
+                          [q, k, v, p, 1e-6, None, b], dtype)
 
 
 @pytest.mark.parametrize('dtype', DTYPES)
@@ -100,7 +113,8 @@ def _params_as_inputs(module, g, dtype, scale=0.3):
 
 @pytest.mark.parametrize('dtype', DTYPES)
 @pytest.mark.parametrize('approximate', ['none', 'tanh'])
-def test_ffn_branch(dtype, approximate):
+@pytest.mark.parametrize('rows', [None, 7])  # 30 tokens: one chunk, or chunks of 7 and 2
+def test_ffn_branch(dtype, approximate, rows):
     g = torch.Generator().manual_seed(0)
     norm = _params_as_inputs(torch.nn.LayerNorm(12), g, dtype, 1.)
     mlp = _params_as_inputs(Mlp(12, 37), g, dtype)
@@ -113,7 +127,7 @@ def test_ffn_branch(dtype, approximate):
         return F.linear(F.gelu(F.linear(n, ps[2], ps[3]), approximate=approximate), ps[4], ps[5])
 
     def lean(x, *ps):
-        return FFNBranch.apply(x, ps[0], ps[1], norm.eps, *ps[2:], approximate)
+        return FFNBranch.apply(x, ps[0], ps[1], norm.eps, *ps[2:], approximate, rows)
     assert_same_gradients(lean, plain, [x] + [p.detach().requires_grad_() for p in params], dtype)
     # through the modules, as the blocks call it
     y = ffn_branch(x.detach(), norm, mlp)
@@ -300,6 +314,36 @@ def test_lean_mixer_keeps_the_projection_and_a_few_token_maps(cfg):
     m_ref = reference_copy(m)
     full = saved_bytes(lambda: m_ref(x, (H, W)), m_ref.parameters()) / token_map
     assert lean < 7 < 15 < full, (lean, full)
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('bias', [True, False])
+@pytest.mark.parametrize('parts,used', [(4, (0, 1, 2, 3)), (2, (0, 1)), (4, (0, 2, 3)), (3, (1, ))])
+def test_split_linear(dtype, bias, parts, used):
+    """The projection split into parts, some parts unused (no gradient reaches them): the same
+    outputs and gradients as the linear layer and ``unbind``."""
+    from linattn_mm.ops.lean_layers import SplitLinear
+    g = torch.Generator().manual_seed(parts)
+    x = rand(2, 9, 6, dtype=dtype, g=g)
+    w = rand(5 * parts, 6, dtype=dtype, g=g)
+    b = rand(5 * parts, dtype=dtype, g=g) if bias else None
+    weights = [torch.randn(2, 9, 5, generator=g, dtype=dtype) for _ in range(parts)]
+
+    def loss(outs):
+        return sum((outs[i] * weights[i]).sum() for i in used)
+
+    def run(split):
+        leaves = [t.detach().clone().requires_grad_() if t is not None else None
+                  for t in (x, w, b)]
+        outs = split(*leaves)
+        loss(outs).backward()
+        return [o.detach() for o in outs], [t.grad for t in leaves if t is not None]
+
+    got, got_g = run(lambda x, w, b: SplitLinear.apply(x, w, b, parts))
+    want, want_g = run(lambda x, w, b: F.linear(x, w, b).unflatten(-1, (parts, 5)).unbind(-2))
+    assert len(got) == parts and all(rel(a, c) < TOL[dtype] for a, c in zip(got, want))
+    for a, c in zip(got_g, want_g):
+        assert a.dtype == c.dtype and rel(a, c) < TOL[dtype]
 
 
 @pytest.mark.parametrize('B,C,H,W,k', [(1, 24, 50, 37, 5), (2, 8, 5, 6, 5), (1, 4, 3, 9, 7),

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 from linattn_mm.ops.common import core_dtype, no_autocast
 from linattn_mm.ops.dispatch import check_core
-from linattn_mm.ops.lean_layers import DepthwiseConvTokens, NormGatedLinear
+from linattn_mm.ops.lean_layers import DepthwiseConvTokens, NormGatedLinear, split_linear
 from linattn_mm.ops.nala import (KERNELS, apply_rope, nala_attention, nala_feature_maps,
                                  nala_weights_reference)
 from linattn_mm.registry import ATTENTIONS
@@ -141,7 +141,10 @@ class NaLaMixerBase(BaseTokenMixer):
         (float32; float64 stays), the LePE conv with autocast off."""
         B, N, C = x.shape
         h, d = self.num_heads, self.head_dims
-        q, k, v, g = self.qkvg(x).to(core_dtype(x)).view(B, N, 4, C).unbind(2)
+        if self.core != 'reference':  # its backward does not stack the chunks' gradients
+            q, k, v, g = (t.to(core_dtype(x)) for t in split_linear(x, self.qkvg, 4))
+        else:
+            q, k, v, g = self.qkvg(x).to(core_dtype(x)).view(B, N, 4, C).unbind(2)
         with no_autocast(x.device):
             w = self.lepe.weight.to(v.dtype)
             b = None if self.lepe.bias is None else self.lepe.bias.to(v.dtype)

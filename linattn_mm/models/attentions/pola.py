@@ -57,7 +57,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from linattn_mm.ops.dispatch import check_core
-from linattn_mm.ops.lean_layers import DepthwiseConvTokens, GatedLinear
+from linattn_mm.ops.lean_layers import DepthwiseConvTokens, GatedLinear, split_linear
 from linattn_mm.ops.pola import polarity_attention, polarity_weights_reference
 from linattn_mm.registry import ATTENTIONS
 from ..utils.grid import nchw_to_nlc, nlc_to_nchw, resize_grid_embed
@@ -257,22 +257,29 @@ class PolaLinearAttention(BaseTokenMixer):
         grid = self.norm(nchw_to_nlc(grid))
         return (torch.cat([extra, grid], dim=1) if e else grid), hw
 
+    def _split(self, x, linear, parts):
+        """``linear(x)`` in ``parts`` chunks of C channels (through
+        :class:`~linattn_mm.ops.lean_layers.SplitLinear` unless ``core='reference'``: its
+        backward does not stack the chunks' gradients)."""
+        if self.core != 'reference':
+            return split_linear(x, linear, parts)
+        return linear(x).unflatten(-1, (parts, self.embed_dims)).unbind(-2)
+
     def _project(self, x, hw_shape):
         """q (B,N,C), k/v (B,n,C), g (B,N,C) or None, and the K/V grid."""
-        B, N, C = x.shape
         g = None
         if self.qkv_layout == 'qkvg':
             if self.gate_type == 'dynamic':
-                q, k, v, g = self.qkvg(x).reshape(B, N, 4, C).unbind(2)
+                q, k, v, g = self._split(x, self.qkvg, 4)
             else:
-                q, k, v = self.qkv(x).reshape(B, N, 3, C).unbind(2)
+                q, k, v = self._split(x, self.qkv, 3)
             return q, k, v, g, tuple(hw_shape)
         if self.gate_type == 'dynamic':
-            q, g = self.qg(x).reshape(B, N, 2, C).unbind(2)
+            q, g = self._split(x, self.qg, 2)
         else:
             q = self.q(x)
         src, kv_hw = self._kv_source(x, hw_shape)
-        k, v = self.kv(src).reshape(B, src.shape[1], 2, C).unbind(2)
+        k, v = self._split(src, self.kv, 2)
         return q, k, v, g, kv_hw
 
     def conv_term(self, v, hw_shape):

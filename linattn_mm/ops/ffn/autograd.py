@@ -4,17 +4,20 @@ block's input (with the LayerNorm statistics) and the ``fc1`` output, and recomp
 Plain autograd of ``fc2(act(fc1(LN(x))))`` keeps the LayerNorm output (``fc1``'s input), the
 ``fc1`` output (the activation's input) and the activation (``fc2``'s input): C + 2 r C floats a
 token for hidden ratio r, and NaLaFormer's ConvFFN ``fc2(h + dwconv(h))`` keeps one more r C map.
-These Functions keep x, its LayerNorm mean and inverse deviation and the ``fc1`` output (r C): the
-normalised input, the activation and the conv branch are recomputed in the backward, where the
-gradients are the usual ones written out (``gelu_backward``, ``native_layer_norm_backward``,
-``convolution_backward``). Under autocast the products run in the autocast dtype as in the plain
+These Functions keep x and the ``fc1`` output (r C), and the ConvFFN Function also the LayerNorm
+mean and inverse deviation: the normalised input, the activation and the conv branch are
+recomputed in the backward, where the gradients are the usual ones written out
+(``gelu_backward``, ``native_layer_norm_backward``, ``convolution_backward``). :class:`FFNBranch`
+runs over chunks of tokens on CPU, so that no hidden-width map but the kept ``fc1`` output is
+made whole (each fresh full-size map costs its page faults and a pass through memory). Under autocast the products run in the autocast dtype as in the plain
 form; the backward computes in the dtype of the saved activations and returns each gradient in
 its input's dtype.
 """
 import torch
 import torch.nn.functional as F
 
-__all__ = ['FFNBranch', 'ConvFFNBranch', 'ffn_branch', 'conv_ffn_branch']
+__all__ = ['FFNBranch', 'ConvFFNBranch', 'ffn_branch', 'conv_ffn_branch', 'FFN_CHUNK_ELEMENTS',
+           'ffn_chunk_rows']
 
 
 def _layer_norm(x, weight, bias, eps):
@@ -44,37 +47,116 @@ def _ln_backward(ctx, dn, x, ln_w, ln_b, mean, rstd, first):
     return dx, dlw, dlb
 
 
+#: elements of one chunk's hidden activation in :class:`FFNBranch` on CPU (rows =
+#: ``FFN_CHUNK_ELEMENTS // hidden`` tokens): the activation, its gradient and the recomputed
+#: LayerNorm output of a chunk stay in the core's caches instead of being fresh full-size maps
+FFN_CHUNK_ELEMENTS = 2 ** 18
+#: fewest tokens per chunk: each chunk adds its rank-``rows`` update to the (C, hidden) weight
+#: gradients, which must be amortised (at 1050 tokens of width 768, chunks of 85 tokens made the
+#: backward 17 % slower than one chunk)
+FFN_MIN_ROWS = 1024
+
+
+def ffn_chunk_rows(x, hidden, rows=None):
+    """Tokens per chunk of :class:`FFNBranch` for a (..., C) input: ``rows`` if given; on CPU in
+    float32 / float64 without autocast ``FFN_CHUNK_ELEMENTS // hidden`` (at least
+    ``FFN_MIN_ROWS``); else all
+    tokens in one chunk (on CUDA the caching allocator reuses memory and one large GEMM is
+    fastest; under autocast one chunk keeps the half-precision sums of the plain form)."""
+    tokens = x.numel() // max(x.shape[-1], 1)
+    if rows is not None:
+        if rows < 1:
+            raise ValueError(f'FFNBranch: rows must be positive, got {rows}')
+        return min(rows, max(tokens, 1))
+    if (x.device.type == 'cpu' and x.dtype in (torch.float32, torch.float64)
+            and not torch.is_autocast_enabled('cpu')):
+        return max(FFN_MIN_ROWS, min(tokens, FFN_CHUNK_ELEMENTS // max(hidden, 1)))
+    return max(tokens, 1)
+
+
+def _add_(acc, t):
+    """``acc += t`` (``acc`` None at first: ``t`` itself)."""
+    return t if acc is None else acc.add_(t)
+
+
 class FFNBranch(torch.autograd.Function):
     """``fc2(gelu(fc1(layer_norm(x))))`` over the last dim of ``x`` (..., C), the FFN branch of a
-    transformer block without its residual."""
+    transformer block without its residual.
+
+    Both passes run over chunks of tokens (:func:`ffn_chunk_rows`): the forward writes the
+    ``fc1`` output (kept for backward) and the result chunk by chunk, and never makes the whole
+    activation; the backward recomputes a chunk's LayerNorm output and activation, writes its
+    part of the input gradient and accumulates the weight gradients."""
 
     @staticmethod
-    def forward(ctx, x, ln_w, ln_b, eps, w1, b1, w2, b2, approximate):
-        n, mean, rstd = _layer_norm(x, ln_w, ln_b, eps)
-        h = F.linear(n, w1, b1)
-        out = F.linear(F.gelu(h, approximate=approximate), w2, b2)
-        ctx.eps, ctx.approximate = eps, approximate
+    def forward(ctx, x, ln_w, ln_b, eps, w1, b1, w2, b2, approximate, rows=None):
+        C = x.shape[-1]
+        x2 = x.reshape(-1, C)
+        T = x2.shape[0]
+        step = ffn_chunk_rows(x, w1.shape[0], rows)
+        h = out = None
+        for i in range(0, T, step):
+            n_c = _layer_norm(x2[i:i + step], ln_w, ln_b, eps)[0]
+            h_c = F.linear(n_c, w1, b1)
+            o_c = F.linear(F.gelu(h_c, approximate=approximate), w2, b2)
+            if step >= T:
+                h, out = h_c, o_c
+                break
+            if h is None:
+                h = h_c.new_empty(T, h_c.shape[-1])
+                out = o_c.new_empty(T, o_c.shape[-1])
+            h[i:i + step] = h_c
+            out[i:i + step] = o_c
+        ctx.eps, ctx.approximate, ctx.rows = eps, approximate, step
         ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
-        ctx.save_for_backward(x, ln_w, ln_b, mean, rstd, w1, w2, h)
-        return out
+        ctx.save_for_backward(x, ln_w, ln_b, w1, w2, h)
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad):
-        x, ln_w, ln_b, mean, rstd, w1, w2, h = ctx.saved_tensors
+        x, ln_w, ln_b, w1, w2, h = ctx.saved_tensors
         need = ctx.needs_input_grad
-        hidden = h.shape[-1]
-        g = grad.reshape(-1, grad.shape[-1])
-        h2 = h.reshape(-1, hidden)
-        a = F.gelu(h2, approximate=ctx.approximate)
-        da, dw2, db2 = _linear_grads(g, a, w2, need[6], need[7] and ctx.has_b2)
-        del a
-        dh = torch.ops.aten.gelu_backward(da, h2.to(da.dtype), approximate=ctx.approximate)
-        del da
-        n = _layer_norm(x, ln_w, ln_b, ctx.eps)[0].reshape(-1, x.shape[-1])
-        dn, dw1, db1 = _linear_grads(dh, n, w1, need[4], need[5] and ctx.has_b1)
-        del dh, n
-        dx, dlw, dlb = _ln_backward(ctx, dn.reshape(x.shape), x, ln_w, ln_b, mean, rstd, 0)
-        return (dx, dlw, dlb, None, _to(dw1, w1), _to(db1, w1), _to(dw2, w2), _to(db2, w2), None)
+        C = x.shape[-1]
+        x2 = x.reshape(-1, C)
+        T = x2.shape[0]
+        g2 = grad.reshape(-1, grad.shape[-1])
+        dt = grad.dtype
+        w1_, w2_ = w1.to(dt), w2.to(dt)
+        dx = torch.empty_like(x2) if need[0] else None
+        acc = dict.fromkeys(('w1', 'b1', 'w2', 'b2', 'lw', 'lb'))
+        ln_mask = [need[0], ln_w is not None and need[1], ln_b is not None and need[2]]
+        step = ctx.rows
+        for i in range(0, T, step):
+            g_c = g2[i:i + step]
+            h_c = h[i:i + step].to(dt)
+            if need[6]:
+                a_c = F.gelu(h_c, approximate=ctx.approximate)
+                acc['w2'] = _add_(acc['w2'], g_c.t() @ a_c)
+                del a_c
+            if need[7] and ctx.has_b2:
+                acc['b2'] = _add_(acc['b2'], g_c.sum(0))
+            dh_c = torch.ops.aten.gelu_backward(g_c @ w2_, h_c, approximate=ctx.approximate)
+            del h_c
+            x_c = x2[i:i + step]
+            n_c, mean, rstd = _layer_norm(x_c, ln_w, ln_b, ctx.eps)
+            if need[4]:
+                acc['w1'] = _add_(acc['w1'], dh_c.t() @ n_c.to(dt))
+            if need[5] and ctx.has_b1:
+                acc['b1'] = _add_(acc['b1'], dh_c.sum(0))
+            del n_c
+            dn_c = (dh_c @ w1_).to(x.dtype)
+            del dh_c
+            dx_c, dlw, dlb = torch.ops.aten.native_layer_norm_backward(
+                dn_c, x_c, (C, ), mean, rstd, ln_w, ln_b, ln_mask)
+            if dx is not None:
+                dx[i:i + step] = dx_c
+            if ln_mask[1]:
+                acc['lw'] = _add_(acc['lw'], dlw)
+            if ln_mask[2]:
+                acc['lb'] = _add_(acc['lb'], dlb)
+        return (None if dx is None else dx.view(x.shape), acc['lw'], acc['lb'], None,
+                _to(acc['w1'], w1), _to(acc['b1'], w1), _to(acc['w2'], w2), _to(acc['b2'], w2),
+                None, None)
 
 
 class ConvFFNBranch(torch.autograd.Function):

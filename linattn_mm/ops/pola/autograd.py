@@ -24,10 +24,10 @@ import math
 
 import torch
 
-from ..common import numpy_log2_
+from ..common import MIN_CHUNK_ROWS, numpy_log2_
 from .fast import polarity_forward, query_side
 
-__all__ = ['PolarityAttention', 'polarity_attention_fast']
+__all__ = ['PolarityAttention', 'polarity_attention_fast', 'TRAIN_CHUNK_ELEMENTS']
 
 _LN2 = math.log(2.)
 
@@ -76,63 +76,131 @@ def _key_matrix_grads(dw_pos, dw_neg, d, n):
     return dkvp, dkvn, dksp, dksn
 
 
+#: elements of one (B, h, rows, d) chunk of the training backward (and forward): rows =
+#: ``TRAIN_CHUNK_ELEMENTS // (B h d)`` tokens, at least ``MIN_CHUNK_ROWS``; a chunk's dozen
+#: temporaries then stay in the core's caches instead of being fresh full-size maps
+TRAIN_CHUNK_ELEMENTS = 2 ** 17
+
+
+def chunk_rows(q, rows=None):
+    """Tokens per chunk for (B, h, N, d) tensors like ``q``: ``rows`` if given; on CPU by
+    :data:`TRAIN_CHUNK_ELEMENTS`; elsewhere all tokens in one chunk (a GPU gains nothing from
+    cache-sized chunks, and many small launches cost time)."""
+    if rows is None:
+        B, h, N, d = q.shape
+        if q.device.type != 'cpu':
+            return max(N, 1)
+        rows = max(MIN_CHUNK_ROWS, TRAIN_CHUNK_ELEMENTS // max(B * h * d, 1))
+    if rows < 1:
+        raise ValueError(f'polarity_attention_fast: rows must be positive, got {rows}')
+    return rows
+
+
+def _heads_buffer(like, tokens, dtype):
+    """An empty (B, h, tokens, d) tensor that is a view of a (B, tokens, h, d) buffer (merging
+    the heads of a gradient written into it is free)."""
+    B, h, _, d = like.shape
+    return torch.empty(B, tokens, h, d, dtype=dtype, device=like.device).transpose(1, 2)
+
+
+def _add_sum(acc, t, shape):
+    """``acc + t.sum_to_size(shape)`` (``acc`` None at first)."""
+    s = t.sum_to_size(shape)
+    return s.clone() if acc is None else acc.add_(s)
+
+
 class PolarityAttention(torch.autograd.Function):
     """``polarity_attention_fast`` with the lean backward of the module docstring. Inputs:
     q (B, h, N, d), k, v (B, h, n, d), p (1, h, 1, d), eps, inv_scale (1, h, 1, d) or None,
-    k_bias broadcastable to k or None."""
+    k_bias broadcastable to k or None, rows (tokens per chunk of the backward, None: by
+    :data:`TRAIN_CHUNK_ELEMENTS`).
+
+    The backward runs over chunks of tokens: the query pass recomputes q+, q- and ``r`` for a
+    chunk, writes its part of dq and accumulates the gradients of ``W+``, ``W-``; the key pass
+    then does the same for k and v. No full-size temporary is made besides the gradients."""
 
     @staticmethod
-    def forward(ctx, q, k, v, p, eps, inv_scale, k_bias):
+    def forward(ctx, q, k, v, p, eps, inv_scale, k_bias, rows):
         out, w_pos, w_neg = polarity_forward(q, k, v, p, eps, inv_scale, k_bias)
-        ctx.eps = eps
+        ctx.eps, ctx.rows = eps, rows
         ctx.save_for_backward(q, k, v, p, inv_scale, k_bias, w_pos, w_neg)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, p, inv_scale, k_bias, w_pos, w_neg = ctx.saved_tensors
-        n, d = k.shape[-2], q.shape[-1]
+        need = ctx.needs_input_grad
+        N, n, d = q.shape[-2], k.shape[-2], q.shape[-1]
         d_s = (d + 1) // 2
-        # queries: recompute q+, q- and r, then the output's gradient through the division
-        q_terms = _PowerTerms(q, p, inv_scale, None)
-        qp, qn = q_terms.features()
-        r = query_side(qp, qn, w_pos, w_neg)
-        den = r[..., d:] + ctx.eps  # (B, h, N, 2)
-        den_c = torch.cat([den[..., :1].expand(*den.shape[:-1], d_s),
-                           den[..., 1:].expand(*den.shape[:-1], d - d_s)], dim=-1)
-        dnum = grad / den_c
-        prod = dnum * r[..., :d]  # g out / D
-        dden = -torch.stack([prod[..., :d_s].sum(-1), prod[..., d_s:].sum(-1)], dim=-1) / den
-        dr = torch.cat([dnum, dden], dim=-1)  # (B, h, N, d + 2)
-        del r, den, den_c, dnum, prod, dden
-        dw_pos = qp.transpose(-2, -1) @ dr
-        dw_neg = qn.transpose(-2, -1) @ dr
-        dqp, dqn = dr @ w_pos.transpose(-2, -1), dr @ w_neg.transpose(-2, -1)
-        del qp, qn, dr
-        dq, d_inv_q, dp_q = q_terms.backward(dqp, dqn)
-        del dqp, dqn, q_terms
-        # keys: k+^T v, k-^T v and the key sums
+        work = w_pos.dtype
+        acc = dict(p=None, inv=None)
+        want_p = need[3]
+        want_inv = inv_scale is not None and need[5]
+
+        def accumulate(d_inv, dp):
+            if want_p:
+                acc['p'] = _add_sum(acc['p'], dp, p.shape)
+            if want_inv:
+                acc['inv'] = _add_sum(acc['inv'], d_inv, inv_scale.shape)
+
+        # queries, chunk by chunk: recompute q+, q- and r, then the output's gradient through
+        # the division; accumulate the gradients of W+ and W-
+        rows = chunk_rows(q, ctx.rows)
+        dq = _heads_buffer(q, N, q.dtype) if need[0] else None
+        dw_pos = torch.zeros_like(w_pos)
+        dw_neg = torch.zeros_like(w_neg)
+        for i in range(0, N, rows):
+            sl = slice(i, min(i + rows, N))
+            terms = _PowerTerms(q[:, :, sl], p, inv_scale, None)
+            qp, qn = terms.features()
+            r = query_side(qp, qn, w_pos, w_neg)
+            den = r[..., d:].add_(ctx.eps)  # (B, h, L, 2)
+            g = grad[:, :, sl].to(work)
+            dnum = torch.cat([g[..., :d_s] / den[..., :1], g[..., d_s:] / den[..., 1:]], dim=-1)
+            prod = dnum * r[..., :d]  # g out / D
+            dden = torch.stack([prod[..., :d_s].sum(-1), prod[..., d_s:].sum(-1)], dim=-1)
+            dr = torch.cat([dnum, dden.div_(den).neg_()], dim=-1)  # (B, h, L, d + 2)
+            del r, den, g, dnum, prod, dden
+            dw_pos += qp.transpose(-2, -1) @ dr
+            dw_neg += qn.transpose(-2, -1) @ dr
+            dqp, dqn = dr @ w_pos.transpose(-2, -1), dr @ w_neg.transpose(-2, -1)
+            del qp, qn, dr
+            dq_c, d_inv, dp = terms.backward(dqp, dqn)
+            if dq is not None:
+                dq[:, :, sl] = dq_c
+            accumulate(d_inv, dp)
+        # keys, chunk by chunk: k+^T v, k-^T v and the key sums
         dkvp, dkvn, dksp, dksn = _key_matrix_grads(dw_pos, dw_neg, d, n)
-        k_terms = _PowerTerms(k, p, inv_scale, k_bias)
-        kp, kn = k_terms.features()
-        vv = v.to(kp.dtype)
-        dv = kp @ dkvp + kn @ dkvn
-        dkp = (vv @ dkvp.transpose(-2, -1)).add_(dksp.unsqueeze(-2))
-        dkn = (vv @ dkvn.transpose(-2, -1)).add_(dksn.unsqueeze(-2))
-        del kp, kn
-        dk, d_inv_k, dp_k = k_terms.backward(dkp, dkn)
-        del k_terms
-        grads_p = ((dp_q.sum_to_size(p.shape) + dp_k.sum_to_size(p.shape)).mul_(_LN2)
-                   if ctx.needs_input_grad[3] else None)
-        d_inv = None
-        if inv_scale is not None and ctx.needs_input_grad[5]:
-            d_inv = d_inv_q.sum_to_size(inv_scale.shape) + d_inv_k.sum_to_size(inv_scale.shape)
-        d_bias = dk.sum_to_size(k_bias.shape) if k_bias is not None and \
-            ctx.needs_input_grad[6] else None
-        return dq, dk, dv.to(v.dtype), grads_p, None, d_inv, d_bias
+        del dw_pos, dw_neg
+        dksp, dksn = dksp.unsqueeze(-2), dksn.unsqueeze(-2)
+        rows = chunk_rows(k, ctx.rows)
+        dk = _heads_buffer(k, n, k.dtype) if need[1] or need[6] else None
+        dv = _heads_buffer(v, n, v.dtype) if need[2] else None
+        per_token_bias = k_bias is not None and k_bias.shape[-2] == n and n > 1
+        for i in range(0, n, rows):
+            sl = slice(i, min(i + rows, n))
+            bias = k_bias[..., sl, :] if per_token_bias else k_bias
+            terms = _PowerTerms(k[:, :, sl], p, inv_scale, bias)
+            kp, kn = terms.features()
+            if dv is not None:
+                dv[:, :, sl] = torch.matmul(kp, dkvp).add_(kn @ dkvn)
+            vv = v[:, :, sl].to(work)
+            dkp = (vv @ dkvp.transpose(-2, -1)).add_(dksp)
+            dkn = (vv @ dkvn.transpose(-2, -1)).add_(dksn)
+            del kp, kn, vv
+            dk_c, d_inv, dp = terms.backward(dkp, dkn)
+            if dk is not None:
+                dk[:, :, sl] = dk_c
+            accumulate(d_inv, dp)
+        grads_p = acc['p'].mul_(_LN2) if want_p else None
+        d_bias = None
+        if k_bias is not None and need[6]:
+            d_bias = dk.sum_to_size(k_bias.shape)
+        return (dq, dk if need[1] else None, dv, grads_p, None, acc['inv'] if want_inv else None,
+                d_bias, None)
 
 
-def polarity_attention_fast(q, k, v, p, eps=1e-6, temperature=None, k_bias=None):
+def polarity_attention_fast(q, k, v, p, eps=1e-6, temperature=None, k_bias=None, rows=None):
     """Polarity-aware linear attention, fast form; the arguments and the result of
     :func:`~linattn_mm.ops.pola.reference.polarity_attention_reference`.
 
@@ -146,6 +214,8 @@ def polarity_attention_fast(q, k, v, p, eps=1e-6, temperature=None, k_bias=None)
             k are divided by it (here: multiplied by its inverse).
         k_bias (Tensor, optional): added to ``k`` before the temperature (the position encoding,
             broadcastable to (B, h, n, d)).
+        rows (int, optional): tokens per chunk of the backward; None: by
+            :data:`TRAIN_CHUNK_ELEMENTS` (the result does not depend on it beyond float rounding).
 
     Returns:
         Tensor: (B, h, N, d); channels ``[0, ceil(d/2))`` hold the same-signed stream, the rest the
@@ -157,4 +227,4 @@ def polarity_attention_fast(q, k, v, p, eps=1e-6, temperature=None, k_bias=None)
         raise ValueError(f'polarity_attention_fast: q, k, v must be (B, h, N, d), got '
                          f'{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}')
     inv_scale = None if temperature is None else 1 / temperature
-    return PolarityAttention.apply(q, k, v, p, eps, inv_scale, k_bias)
+    return PolarityAttention.apply(q, k, v, p, eps, inv_scale, k_bias, rows)
