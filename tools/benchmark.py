@@ -127,7 +127,8 @@ PEAK_BW = (('H100 PCIe', 2000.), ('H100 NVL', 3900.), ('H100', 3350.), ('H200', 
 
 
 # ------------------------------------------------------------------------------------------------
-# the straightforward official forward (spec polaformer.md §1.2), bound in place of forward()
+# the straightforward official forward (the official code's order of operations,
+# ZacharyMeng/PolaFormer), bound in place of forward()
 # ------------------------------------------------------------------------------------------------
 def official_pola_forward(self, x, hw_shape):
     """PolaFormer attention as the official code computes it, written out directly: q, k, v, g

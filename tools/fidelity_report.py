@@ -23,9 +23,9 @@ from linattn_mm.flops import config_macs
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 PARAM_TOL, FLOP_TOL = 0.03, 0.05
 
-SET_MT = ("the learnable reference sets (m=500 per block, m·C parameters each) are counted here; without them M / T have 16.39M / 22.71M (+1.2% / +1.8%). The paper's FLOPs lie between this model without the transport matmuls (M 2.09G, T 3.33G) and with them (4.28G / 6.44G): its counter appears to miss part of the attention matmuls (spec §2)")
+SET_MT = ("the learnable reference sets (m=500 per block, m·C parameters each) are counted here; without them M / T have 16.39M / 22.71M (+1.2% / +1.8%). The paper's FLOPs lie between this model without the transport matmuls (M 2.09G, T 3.33G) and with them (4.28G / 6.44G): its counter appears to miss part of the attention matmuls (see `docs/model_zoo/setformer.md`)")
 SET_SB = ('the paper gives no widths for S / B and no NAT width reproduces its 35.0M / 56.7M '
-          '(spec §2: S / B here follow NAT-S / NAT-B, 39.10M / 69.11M without the reference '
+          '(S / B here follow NAT-S / NAT-B, 39.10M / 69.11M without the reference '
           'sets); FLOPs: see setformer-m')
 
 # (config name, paper, params M, GFLOPs, top-1, reason when outside the tolerances)
@@ -55,7 +55,7 @@ ROWS = [
     # ---- PolaFormer (paper Tables 1 and 5)
     ('pola-pvt-t_in1k', 'PolaFormer', 12, 2.0, 78.8,
      'paper params are truncated (official code: 12.92M, loaded and matched by tests); the '
-     'official classes count 2.26 GMACs at 224 (spec §2), the paper prints 2.0G'),
+     'official classes count 2.26 GMACs at 224, the paper prints 2.0G'),
     ('pola-pvt-s_in1k', 'PolaFormer', 21, 4.1, 81.9,
      'paper typo: the official code has 23.16M (even FLatten-PVT-S has 22M); official classes '
      'count 4.47 GMACs'),
@@ -76,7 +76,7 @@ ROWS = [
      'projection (C -> 4C instead of 3C): its counter cannot have included every linear layer'),
     # ---- NaLaFormer (paper Table 1; Table 6 for the Swin-T protocol)
     ('nalaformer-t_in1k', 'NaLaFormer', 15, 2.7, 82.6,
-     'the official code counts 15.9M / 2.86G (spec §2.1, analytic); the paper\'s "15M" is '
+     'the official code counts 15.9M / 2.86G (analytic count); the paper\'s "15M" is '
      '15.9M truncated'),
     ('nalaformer-s_in1k', 'NaLaFormer', 26, 5.1, 84.3, None),
     ('nalaformer-b_in1k', 'NaLaFormer', 52, 11.8, 85.2, None),
@@ -85,8 +85,8 @@ ROWS = [
     # ---- PADRe (paper Table 2)
     ('padre2-deit-t_in1k', 'PADRe', 5, 1.2, 74.5,
      'the paper does not specify its per-degree modules; this instance (2d point-wise layers and '
-     '2d-1 depth-wise 11x11 convs per mixer, spec §1.2) has more parameters; params printed '
-     'in whole millions by the paper'),
+     '2d-1 depth-wise 11x11 convs per mixer, see `docs/model_zoo/padre.md`) has more parameters; '
+     'params printed in whole millions by the paper'),
     ('padre3-deit-t_in1k', 'PADRe', 7, 1.7, 76.5,
      'per-degree modules unspecified by the paper (see padre2-deit-t)'),
     ('padre2-deit-s_in1k', 'PADRe', 20, 4.8, 80.4,

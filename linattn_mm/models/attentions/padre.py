@@ -1,8 +1,8 @@
 """PADRe: polynomial attention drop-in replacement (Letourneau et al., ICLR 2025, arXiv 2407.11306).
 
 No official code exists; this is the instance of the paper's experiments (§4.1) written from the
-text, with every open choice an argument (defaults = the developer spec ``spec/padre.md``, §1.2 and
-§5). One head. For tokens ``x`` on an H×W grid and degree ``d``::
+text, with every open choice an argument (defaults and reasons: ``docs/model_zoo/padre.md``,
+"Arguments and documented choices"). One head. For tokens ``x`` on an H×W grid and degree ``d``::
 
     Y_i     = A_i X B_i          B_i: point-wise (Linear C->C), A_i: depth-wise k×k conv (i = 1..d)
     Z_1     = Y_1

@@ -2,8 +2,8 @@
 Vision and Language*, AAAI 2024, arXiv 2401.03540).
 
 No official code exists; this is written from the paper text, with every choice the paper leaves
-open exposed as an argument (defaults and reasons: the developer spec ``spec/setformer.md`` §1.2 and
-``docs/model_zoo/setformer.md``). Per head, for tokens x_1..x_n (head slice of d channels) and a
+open exposed as an argument (defaults and reasons: ``docs/model_zoo/setformer.md``, "Arguments and
+documented choices"). Per head, for tokens x_1..x_n (head slice of d channels) and a
 learnable reference set y_1..y_m::
 
     S_ij   = k(x_i, y_j)                        kernel similarity (cost C = -S)

@@ -2,9 +2,9 @@
 
 The paper calls Swin its baseline, but its depths (Table 1), stem ("two-layer 3×3 convolutions with
 2×2 strides") and downsampler (3×3 stride-2 conv) are exactly NAT's (Hassani et al., CVPR 2023), so
-this is NAT's macro design with SeT in place of neighbourhood attention (spec ``spec/setformer.md``
-§2). The paper gives no widths, heads, MLP ratios, drop-path rates or layer scale: they are NAT's
-for the same depths (documented in ``docs/model_zoo/setformer.md``)::
+this is NAT's macro design with SeT in place of neighbourhood attention. The paper gives no widths,
+heads, MLP ratios, drop-path rates or layer scale: they are NAT's for the same depths (both choices
+documented in ``docs/model_zoo/setformer.md``, "Backbone")::
 
     stem        conv3x3 s2 (C/2) -> conv3x3 s2 (C) -> LayerNorm          ``patch_embed.{proj,norm}``
     stage i     blocks  x + DropPath(γ1·SeT(LN(x))); x + DropPath(γ2·MLP(LN(x)))
