@@ -52,6 +52,15 @@ tensor storage counted by :class:`linattn_mm.utils.PeakMemoryCounter` during one
 (untimed) forward, not counting the weights and the input. All forwards run in ``eval`` mode under
 ``torch.inference_mode``.
 
+``--mode train`` times training steps instead: ``train`` mode, the forward, a loss (a backbone:
+``sum(mean(out^2))`` over its outputs; ``--part model``: the model's own losses on a synthetic
+batch with demo-shaped annotations, :func:`linattn_mm.utils.synthetic.training_batch`) and the
+backward, the gradients of the previous step cleared first. Nothing is converted: the models run
+their default training forms (the lean autograd Functions of :mod:`linattn_mm.ops`; ``--impls
+reference`` runs plain autograd of the reference forms). The peak memory is that of one extra
+step: everything autograd keeps for the backward, the gradients and the backward's temporaries
+(the weights, the input and the gradients' previous values not counted).
+
 ``--mode core`` times the attention core alone on random ``q, k, v`` of shape (batch, heads,
 H*W, head dims) in ``--dtype`` (real tensors of that dtype, not autocast), with the temperature and
 a position encoding as in the module (``--impls`` among ``triton``, ``torch``, ``reference``). It

@@ -1,12 +1,12 @@
 """Training Functions of small layer compositions around the attention cores, which keep less for
 backward than plain autograd and recompute the rest (same values, same gradients):
 
-* :class:`DepthwiseConvTokens` — a depth-wise conv on the grid of (B, N, C) tokens (the Pola
-  conv term on ``v``): plain autograd keeps the channels-last copy of the map the conv reads; this
-  keeps nothing new (``v`` is a view of the projection output, kept anyway) and makes the copy
-  again in the backward.
+* :class:`DepthwiseConvTokens` — a depth-wise conv on the grid of (B, N, C) tokens (Pola's conv
+  term and NaLa's LePE on ``v``): plain autograd keeps the channels-last copy of the map the conv
+  reads; this keeps nothing new (``v`` is a view of the projection output, kept anyway) and works
+  in bands of rows both ways.
 * :class:`GatedLinear` — ``linear(s * g)`` (Pola's gate and output projection): keeps ``s`` and
-  ``g``, not their product.
+  ``g``, not their product, and works over chunks of tokens on CPU.
 * :class:`NormGatedLinear` — ``linear(layer_norm(s) * silu(g))`` (NaLa's output): keeps ``s``,
   its LayerNorm statistics and ``g``, not the normalised map, the gate or their product.
 * :class:`SplitLinear` — ``linear(x).chunk(parts, -1)`` (the mixers' ``qkvg`` / ``qg`` / ``kv``
@@ -24,9 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .common import linear_into
+
 __all__ = ['DepthwiseConvTokens', 'GatedLinear', 'NormGatedLinear', 'SplitLinear', 'split_linear',
-           'recomputed',
-           'depthwise_weight_grad', 'WEIGHT_GRAD_BANDS']
+           'recomputed', 'conv_band_rows', 'CONV_BAND_ELEMENTS', 'MIN_BAND_ROWS', 'MAX_BAND_ROWS']
 
 
 def recomputed(fn, *args):
@@ -41,99 +42,201 @@ def _to(t, like):
     return None if t is None else t.to(like.dtype)
 
 
-def _channels_last_map(tokens, hw_shape):
-    """(B, N, C) tokens as a contiguous channels-last (B, C, H, W) map."""
-    B, N, C = tokens.shape
-    H, W = hw_shape
-    return tokens.reshape(B, H, W, C).permute(0, 3, 1, 2).contiguous(
-        memory_format=torch.channels_last)
+#: rows of one band of :class:`DepthwiseConvTokens` on CPU: between :data:`MIN_BAND_ROWS` and
+#: :data:`MAX_BAND_ROWS`, fewer where a band (its rows, of the padded width and the channels of
+#: every image) would hold more than :data:`CONV_BAND_ELEMENTS` values. A 200 x 336 map of 96
+#: channels, one thread: backward 21 ms in bands of 16 rows (4 rows: 30 ms; 64 rows: 29 ms; the
+#: whole map in one conv: 98 ms). The bound on the rows also bounds the float32 sums of the weight
+#: gradient (5 x 5 kernel, 200 x 336 map: relative error 1.7e-6 in bands of 16 rows, 7.8e-6 in one)
+CONV_BAND_ELEMENTS = 2 ** 19
+MIN_BAND_ROWS = 8
+MAX_BAND_ROWS = 16
 
 
-#: row bands of :func:`depthwise_weight_grad` (measured on CPU, one thread: 8 bands of a
-#: 200 x 336 map, 96 channels, 5 x 5 kernel: 82 ms against 172 ms for the conv backward, the same
-#: float32 accuracy; fewer bands lose accuracy, more lose time)
-WEIGHT_GRAD_BANDS = 8
+def conv_band_rows(B, H, W, C, pad, device, rows=None):
+    """Rows per band of :class:`DepthwiseConvTokens`: ``rows`` if given; on CPU see
+    :data:`CONV_BAND_ELEMENTS`; elsewhere the whole map in one band."""
+    if rows is None:
+        if device.type != 'cpu':
+            return H
+        rows = CONV_BAND_ELEMENTS // max(B * (W + 2 * pad) * C, 1)
+        rows = max(MIN_BAND_ROWS, min(MAX_BAND_ROWS, rows))
+    return max(1, min(H, rows))
 
 
-def depthwise_weight_grad(grad_map, x_map, kernel_size, padding):
-    """The weight gradient of a depth-wise ``k x k`` conv (stride 1, padding ``(k - 1) / 2``) of
-    (B, C, H, W) maps: ``dW[c, i, j] = sum_{b,y,x} g[b, c, y, x] x_pad[b, c, y + i, x + j]``,
-    computed as a forward depth-wise conv of the padded input with the gradient as its kernel,
-    in :data:`WEIGHT_GRAD_BANDS` bands of rows (the channels of every band and image as groups)
-    whose (k, k) results are summed (shorter float32 sums). On CPU the conv backward's own weight
-    gradient for k >= 5 on channels-last maps is 10-30x slower than the forward conv."""
-    B, C, H, W = x_map.shape
-    k, p = kernel_size, padding
-    R = max(1, min(WEIGHT_GRAD_BANDS, H))
-    Hc = -(-H // R)
-    xn, gn = x_map.permute(0, 2, 3, 1), grad_map.permute(0, 2, 3, 1)  # (B, H, W, C)
-    xp = F.pad(xn, (0, 0, p, p, p, p + Hc * R - H))  # (B, Hc R + 2p, W + 2p, C)
-    gp = F.pad(gn, (0, 0, 0, 0, 0, Hc * R - H))  # (B, Hc R, W, C)
-    xb = xp.unfold(1, Hc + 2 * p, Hc)  # (B, R, W + 2p, C, Hc + 2p): the bands with their halo
-    xb = xb.permute(0, 1, 3, 4, 2).reshape(1, B * R * C, Hc + 2 * p, W + 2 * p)
-    gb = gp.view(B, R, Hc, W, C).permute(0, 1, 4, 2, 3).reshape(B * R * C, 1, Hc, W)
-    out = F.conv2d(xb, gb, groups=B * R * C)  # (1, B R C, k, k)
-    return out.view(B * R, C, k, k).sum(0).unsqueeze(1)
+class _Bands:
+    """Zero-padded row bands of (B, H, W, C) maps: ``fill(src, r0, r1)`` copies rows
+    ``r0 - p .. r1 + p`` of ``src`` into a reused (B, r1 - r0 + 2p, W + 2p, C) buffer, with zeros
+    outside the map (the conv's padding), and returns it as a channels-last (B, C, ., .) map."""
+
+    def __init__(self, like, rows, pad):
+        B, H, W, C = like.shape
+        self.H, self.W, self.p = H, W, pad
+        self.buf = like.new_zeros(B, rows + 2 * pad, W + 2 * pad, C)
+
+    def fill(self, src, r0, r1):
+        p, H = self.p, self.H
+        b = self.buf[:, :r1 - r0 + 2 * p]
+        lo, hi = max(0, r0 - p), min(H, r1 + p)
+        top, bottom = lo - (r0 - p), hi - (r0 - p)
+        if top:
+            b[:, :top].zero_()
+        if bottom < b.shape[1]:
+            b[:, bottom:].zero_()
+        b[:, top:bottom, p:p + self.W] = src[:, lo:hi]
+        return b.permute(0, 3, 1, 2)
 
 
 class DepthwiseConvTokens(torch.autograd.Function):
-    """``conv2d(map(v), weight, bias, padding, groups=C)`` of (B, H*W, C) tokens, returned as
-    (B, H*W, C) tokens (a view of the channels-last output)."""
+    """``conv2d(map(v), weight, bias, padding, groups=C)`` of (B, H*W, C) tokens (a square
+    ``k x k`` kernel, stride 1, padding ``(k - 1) / 2``), returned as (B, H*W, C) tokens.
+
+    Both passes run over bands of image rows (:func:`conv_band_rows`): each band of ``v`` (or of
+    the output gradient) is copied with its halo into one small zero-padded channels-last buffer
+    and convolved there, so no full-size copy of the map is made, and ``v`` (a view of the
+    projection output, kept anyway) is all that is kept. The backward gives ``dv`` as the conv of
+    the gradient's bands with the flipped kernel and the weight gradient as a forward conv of
+    each band of ``v`` with the gradient band as its kernel (on CPU the conv backward's own
+    weight gradient for k >= 5 on channels-last maps is 10-30x slower than a forward conv), the
+    bands' (C, k, k) results summed in float64 (in float32 for half-precision gradients); the
+    bias gradient is a sum."""
 
     @staticmethod
-    def forward(ctx, v, hw_shape, weight, bias, padding):
-        out = F.conv2d(_channels_last_map(v, hw_shape), weight, bias, padding=padding,
-                       groups=v.shape[-1])
-        ctx.hw_shape, ctx.padding, ctx.has_bias = tuple(hw_shape), padding, bias is not None
+    def forward(ctx, v, hw_shape, weight, bias, padding, rows=None):
+        B, N, C = v.shape
+        H, W = hw_shape
+        k = weight.shape[-1]
+        if tuple(weight.shape[-2:]) != (k, k) or tuple(padding) != (k // 2, k // 2) or k % 2 == 0:
+            raise ValueError(f'DepthwiseConvTokens: needs an odd square kernel with padding '
+                             f'k // 2, got {tuple(weight.shape[-2:])} with padding {padding}')
+        p = k // 2
+        step = conv_band_rows(B, H, W, C, p, v.device, rows)
+        src = v.view(B, H, W, C) if v.is_contiguous() else v.reshape(B, H, W, C)
+        bands = _Bands(src, step, p)
+        out = None
+        for r0 in range(0, H, step):
+            r1 = min(H, r0 + step)
+            o = F.conv2d(bands.fill(src, r0, r1), weight, bias, groups=C)  # (B, C, R, W)
+            if out is None:
+                out = o.new_empty(B, H, W, C)
+            out[:, r0:r1] = o.permute(0, 2, 3, 1)
+        ctx.hw_shape, ctx.rows, ctx.has_bias = (H, W), step, bias is not None
         ctx.save_for_backward(v, weight)
-        return out.flatten(2).transpose(1, 2)
+        return out.view(B, N, C)
 
     @staticmethod
     def backward(ctx, grad):
         v, weight = ctx.saved_tensors
         B, N, C = v.shape
         H, W = ctx.hw_shape
-        dt = grad.dtype
-        g_map = grad.reshape(B, H, W, C).permute(0, 3, 1, 2)
         need = ctx.needs_input_grad
-        x_map = _channels_last_map(v.to(dt), ctx.hw_shape)
+        dt = grad.dtype
         k = weight.shape[-1]
-        banded = (need[2] and k >= 5 and dt == torch.float32 and grad.device.type == 'cpu'
-                  and tuple(ctx.padding) == (k // 2, k // 2) and weight.shape[-2] == k)
-        # the bias gradient as a sum (the conv backward's own is ~10x slower on CPU)
-        dv, dw, _ = torch.ops.aten.convolution_backward(
-            g_map, x_map, weight.to(dt), None, [1, 1], list(ctx.padding), [1, 1], False, [0, 0],
-            C, [need[0], need[2] and not banded, False])
-        if banded:
-            dw = depthwise_weight_grad(g_map, x_map, k, k // 2)
+        p, step = k // 2, ctx.rows
+        g = grad.reshape(B, H, W, C)
+        x = v.reshape(B, H, W, C).to(dt)
+        w = weight.to(dt)
+        dv = dw = None
+        acc = torch.float64 if dt == torch.float32 else torch.promote_types(dt, torch.float32)
+        if need[0]:
+            dv = g.new_empty(B, H, W, C)
+            w_flip = w.flip(-2, -1)
+            g_bands = _Bands(g, step, p)
+        if need[2]:
+            x_bands = _Bands(x, step, p)
+        for r0 in range(0, H, step):
+            r1 = min(H, r0 + step)
+            if dv is not None:
+                dv[:, r0:r1] = F.conv2d(g_bands.fill(g, r0, r1), w_flip, groups=C).permute(
+                    0, 2, 3, 1)
+            if need[2]:
+                xb = x_bands.fill(x, r0, r1)  # (B, C, R + 2p, W + 2p)
+                gb = g[:, r0:r1].permute(0, 3, 1, 2)  # (B, C, R, W)
+                for b in range(B):  # the band of image b as the kernel of its own channels
+                    part = F.conv2d(xb[b:b + 1], gb[b].unsqueeze(1), groups=C)  # (1, C, k, k)
+                    dw = part.to(acc) if dw is None else dw.add_(part)
         db = grad.sum((0, 1)) if ctx.has_bias and need[3] else None
         if dv is not None:
-            dv = dv.permute(0, 2, 3, 1).reshape(B, N, C).to(v.dtype)
-        return dv, None, _to(dw, weight), _to(db, weight), None
+            dv = dv.view(B, N, C).to(v.dtype)
+        if dw is not None:
+            dw = dw.view(C, 1, k, k)
+        return dv, None, _to(dw, weight), _to(db, weight), None, None
+
+
+#: tokens per chunk of :class:`GatedLinear` and :class:`SplitLinear` on CPU:
+#: ``TOKEN_CHUNK_ELEMENTS // C``, at least ``TOKEN_MIN_ROWS`` (each chunk adds a rank-``rows``
+#: update to the weight gradient)
+TOKEN_CHUNK_ELEMENTS = 2 ** 18
+TOKEN_MIN_ROWS = 1024
+
+
+def _token_rows(t, rows=None):
+    """Tokens per chunk of :class:`GatedLinear` / :class:`SplitLinear` for (..., C) inputs like
+    ``t``: ``rows`` if given;
+    on CPU in float32 / float64 without autocast by :data:`TOKEN_CHUNK_ELEMENTS`; else all."""
+    tokens = max(t.numel() // max(t.shape[-1], 1), 1)
+    if rows is None:
+        if (t.device.type != 'cpu' or t.dtype not in (torch.float32, torch.float64)
+                or torch.is_autocast_enabled('cpu')):
+            return tokens
+        rows = max(TOKEN_MIN_ROWS, TOKEN_CHUNK_ELEMENTS // max(t.shape[-1], 1))
+    return max(1, min(tokens, rows))
 
 
 class GatedLinear(torch.autograd.Function):
-    """``linear(s * g, weight, bias)``."""
+    """``linear(s * g, weight, bias)``, over chunks of tokens on CPU (:func:`_token_rows`): the
+    product ``s * g`` and the gradient ``grad @ weight`` are made one chunk at a time."""
 
     @staticmethod
-    def forward(ctx, s, g, weight, bias):
-        ctx.has_bias = bias is not None
+    def forward(ctx, s, g, weight, bias, rows=None):
+        C = s.shape[-1]
+        s2, g2 = s.reshape(-1, C), g.reshape(-1, C)
+        T = s2.shape[0]
+        step = _token_rows(s, rows)
+        out = None
+        for i in range(0, T, step):
+            o = F.linear(s2[i:i + step] * g2[i:i + step], weight, bias)
+            if step >= T:
+                out = o
+                break
+            if out is None:
+                out = o.new_empty(T, o.shape[-1])
+            out[i:i + step] = o
+        ctx.has_bias, ctx.rows = bias is not None, step
         ctx.save_for_backward(s, g, weight)
-        return F.linear(s * g, weight, bias)
+        return out.view(*s.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad):
         s, g, weight = ctx.saved_tensors
         need = ctx.needs_input_grad
         dt = grad.dtype
-        C_out = grad.shape[-1]
-        g2 = grad.reshape(-1, C_out)
-        u = (g2 @ weight.to(dt)).reshape(s.shape)
-        ds = (u * g.to(dt)).to(s.dtype) if need[0] else None
-        dg = (u * s.to(dt)).to(g.dtype) if need[1] else None
-        dw = g2.t() @ (s.to(dt) * g.to(dt)).reshape(-1, s.shape[-1]) if need[2] else None
-        db = g2.sum(0) if ctx.has_bias and need[3] else None
-        return ds, dg, _to(dw, weight), _to(db, weight)
+        C, C_out = s.shape[-1], grad.shape[-1]
+        g2, s2, gate2 = grad.reshape(-1, C_out), s.reshape(-1, C), g.reshape(-1, C)
+        T = g2.shape[0]
+        w = weight.to(dt)
+        ds = torch.empty_like(s2) if need[0] else None
+        dg = torch.empty_like(gate2) if need[1] else None
+        dw = db = None
+        step = ctx.rows
+        for i in range(0, T, step):
+            gr = g2[i:i + step]
+            s_c, g_c = s2[i:i + step].to(dt), gate2[i:i + step].to(dt)
+            if need[0] or need[1]:
+                u = gr @ w
+                if ds is not None:
+                    torch.mul(u, g_c, out=ds[i:i + step])
+                if dg is not None:
+                    torch.mul(u, s_c, out=dg[i:i + step])
+                del u
+            if need[2]:
+                part = gr.t() @ (s_c * g_c)
+                dw = part if dw is None else dw.add_(part)
+            if ctx.has_bias and need[3]:
+                part = gr.sum(0)
+                db = part if db is None else db.add_(part)
+        return (None if ds is None else ds.view(s.shape),
+                None if dg is None else dg.view(g.shape), _to(dw, weight), _to(db, weight), None)
 
 
 class NormGatedLinear(torch.autograd.Function):
@@ -170,13 +273,25 @@ class NormGatedLinear(torch.autograd.Function):
 class SplitLinear(torch.autograd.Function):
     """``linear(x, weight, bias)`` split into ``parts`` equal chunks of the last dim (views of
     one output). The backward adds ``grad_i @ W_i`` over the parts that got a gradient and writes
-    each part's weight and bias gradient into its rows."""
+    each part's weight and bias gradient into its rows. On CPU both run over chunks of tokens
+    (:func:`_token_rows`): a chunk's GEMMs work in cache (about 15 % faster than over the whole map
+    at the widths of a Swin-T stage 1)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, parts):
-        y = F.linear(x, weight, bias)
-        ctx.parts, ctx.has_bias = parts, bias is not None
+    def forward(ctx, x, weight, bias, parts, rows=None):
+        C_in = x.shape[-1]
+        x2 = x.reshape(-1, C_in)
+        T = x2.shape[0]
+        step = _token_rows(x, rows)
+        if step >= T:
+            y = F.linear(x2, weight, bias)
+        else:  # (CPU, float32 / float64, no autocast) each chunk written in place
+            y = x2.new_empty(T, weight.shape[0])
+            for i in range(0, T, step):
+                linear_into(x2[i:i + step], weight, bias, y[i:i + step])
+        ctx.parts, ctx.has_bias, ctx.rows = parts, bias is not None, step
         ctx.save_for_backward(x, weight)
+        y = y.view(*x.shape[:-1], y.shape[-1])
         return y.unflatten(-1, (parts, y.shape[-1] // parts)).unbind(-2)
 
     @staticmethod
@@ -186,28 +301,37 @@ class SplitLinear(torch.autograd.Function):
         C_in = x.shape[-1]
         live = [(i, g.reshape(-1, g.shape[-1])) for i, g in enumerate(grads) if g is not None]
         if not live:
-            return None, None, None, None
+            return None, None, None, None, None
         dt = live[0][1].dtype
         rows = weight.shape[0] // ctx.parts
         w = weight.to(dt)
         x2 = x.reshape(-1, C_in)
-        dx = dw = db = None
-        if need[0]:
+        T = x2.shape[0]
+        want_w = need[1]
+        want_b = ctx.has_bias and need[2]
+        dx = torch.empty(T, C_in, dtype=dt, device=x.device) if need[0] else None
+        dw = torch.zeros_like(weight, dtype=dt) if want_w else None
+        db = torch.zeros(weight.shape[0], dtype=dt, device=weight.device) if want_b else None
+        step = ctx.rows
+        for r0 in range(0, T, step):
+            x_c = x2[r0:r0 + step].to(dt) if want_w else None
+            first = True
             for i, g in live:
-                w_i = w[i * rows:(i + 1) * rows]
-                dx = g @ w_i if dx is None else dx.addmm_(g, w_i)
+                g_c = g[r0:r0 + step]
+                part = slice(i * rows, (i + 1) * rows)
+                if dx is not None:
+                    if first:
+                        torch.mm(g_c, w[part], out=dx[r0:r0 + step])
+                    else:
+                        dx[r0:r0 + step].addmm_(g_c, w[part])
+                    first = False
+                if want_w:
+                    dw[part].addmm_(g_c.t(), x_c)
+                if want_b:
+                    db[part] += g_c.sum(0)
+        if dx is not None:
             dx = dx.view(x.shape).to(x.dtype)
-        if need[1] or (ctx.has_bias and need[2]):
-            x2 = x2.to(dt)
-            dw = torch.zeros_like(weight, dtype=dt) if need[1] else None
-            db = torch.zeros(weight.shape[0], dtype=dt, device=weight.device) \
-                if ctx.has_bias and need[2] else None
-            for i, g in live:
-                if dw is not None:
-                    torch.mm(g.t(), x2, out=dw[i * rows:(i + 1) * rows])
-                if db is not None:
-                    torch.sum(g, 0, out=db[i * rows:(i + 1) * rows])
-        return dx, _to(dw, weight), _to(db, weight), None
+        return dx, _to(dw, weight), _to(db, weight), None, None
 
 
 def split_linear(x, linear, parts):

@@ -219,11 +219,12 @@ def test_mac_count_names_the_window_and_patch_embedding_modules():
     deploy.convert(net)
     deploy.revert(windows[1])
     macs = count_macs(net, torch.randn(1, 3, 64, 64))
-    # 16 x 16 tokens of 24 channels from 4 x 4 patches of 3 channels; the window-7 attention
-    # projects the grid padded to 21 x 21
+    # 16 x 16 tokens of 24 channels from 4 x 4 patches of 3 channels; the window-7 attention's
+    # projections run on the 16 x 16 tokens (the padding to 21 x 21 gets the projection of zeros,
+    # its bias, and its outputs are dropped)
     assert macs.by_module['patch_embed.proj'] == 256 * 24 * 3 * 16
-    assert macs.by_module['layers.0.blocks.0.attn.qkv'] == 441 * 24 * 72
-    assert macs.by_module['layers.0.blocks.0.attn.proj'] == 441 * 24 * 24
+    assert macs.by_module['layers.0.blocks.0.attn.qkv'] == 256 * 24 * 72
+    assert macs.by_module['layers.0.blocks.0.attn.proj'] == 256 * 24 * 24
     assert type(windows[0]) is WindowSoftmaxAttentionCPU
     assert type(windows[1]) is WindowSoftmaxAttention
     pe = net.patch_embed

@@ -176,8 +176,9 @@ def test_small_lean_layers(dtype, bias):
     s, gate = rand(B, 7, C, dtype=dtype, g=g), rand(B, 7, C, dtype=dtype, g=g)
     lw = rand(5, C, dtype=dtype, g=g)
     lb = rand(5, dtype=dtype, g=g) if bias else None
-    assert_same_gradients(GatedLinear.apply, lambda s, gt, w, b: F.linear(s * gt, w, b),
-                          [s, gate, lw, lb], dtype)
+    for rows in (None, 3):  # 14 tokens: one chunk, or chunks of 3 and a last of 2
+        assert_same_gradients(lambda s, gt, w, b: GatedLinear.apply(s, gt, w, b, rows),
+                              lambda s, gt, w, b: F.linear(s * gt, w, b), [s, gate, lw, lb], dtype)
     nw, nb = 1 + rand(C, dtype=dtype, g=g, scale=0.1), rand(C, dtype=dtype, g=g, scale=0.1)
     assert_same_gradients(
         lambda s, nw, nb, gt, w, b: NormGatedLinear.apply(s, nw, nb, 1e-5, gt, w, b),
@@ -339,27 +340,39 @@ def test_split_linear(dtype, bias, parts, used):
         loss(outs).backward()
         return [o.detach() for o in outs], [t.grad for t in leaves if t is not None]
 
-    got, got_g = run(lambda x, w, b: SplitLinear.apply(x, w, b, parts))
     want, want_g = run(lambda x, w, b: F.linear(x, w, b).unflatten(-1, (parts, 5)).unbind(-2))
-    assert len(got) == parts and all(rel(a, c) < TOL[dtype] for a, c in zip(got, want))
-    for a, c in zip(got_g, want_g):
-        assert a.dtype == c.dtype and rel(a, c) < TOL[dtype]
+    for rows in (None, 4):  # 18 tokens: one chunk, or chunks of 4 and a last of 2
+        got, got_g = run(lambda x, w, b: SplitLinear.apply(x, w, b, parts, rows))
+        assert len(got) == parts and all(rel(a, c) < TOL[dtype] for a, c in zip(got, want))
+        for a, c in zip(got_g, want_g):
+            assert a.dtype == c.dtype and rel(a, c) < TOL[dtype]
 
 
 @pytest.mark.parametrize('B,C,H,W,k', [(1, 24, 50, 37, 5), (2, 8, 5, 6, 5), (1, 4, 3, 9, 7),
                                        (3, 16, 20, 11, 5), (1, 6, 1, 12, 5)])
-def test_depthwise_weight_grad_in_bands(B, C, H, W, k):
-    """The weight gradient of a depth-wise conv as a forward conv of the padded input with the
-    gradient as kernel, in bands of rows, against the float64 conv backward."""
-    from linattn_mm.ops.lean_layers import depthwise_weight_grad
+@pytest.mark.parametrize('rows', [None, 1, 3, 16])
+def test_depthwise_conv_in_bands(B, C, H, W, k, rows):
+    """The depth-wise conv of tokens in bands of rows (halos, a last short band, one-row maps):
+    the output, the input gradient (the gradient's bands against the flipped kernel) and the
+    weight gradient (each band of the input convolved with the gradient band as its kernel)
+    against the float64 conv and its backward."""
     g = torch.Generator().manual_seed(B * H)
     x = torch.randn(B, C, H, W, generator=g, dtype=torch.float64)
     grad = torch.randn(B, C, H, W, generator=g, dtype=torch.float64)
     w = torch.randn(C, 1, k, k, generator=g, dtype=torch.float64)
-    want = torch.ops.aten.convolution_backward(grad, x, w, None, [1, 1], [k // 2] * 2, [1, 1],
-                                               False, [0, 0], C, [False, True, False])[1]
-    cl = torch.channels_last
-    got = depthwise_weight_grad(grad.float().contiguous(memory_format=cl),
-                                x.float().contiguous(memory_format=cl), k, k // 2)
-    assert got.shape == want.shape and rel(got.double(), want) < 1e-6
-    assert rel(depthwise_weight_grad(grad, x, k, k // 2), want) < 1e-12
+    bias = torch.randn(C, generator=g, dtype=torch.float64)
+    want_out = F.conv2d(x, w, bias, padding=k // 2, groups=C)
+    want_dx, want_dw, _ = torch.ops.aten.convolution_backward(
+        grad, x, w, None, [1, 1], [k // 2] * 2, [1, 1], False, [0, 0], C, [True, True, False])
+
+    def tokens(m):
+        return m.flatten(2).transpose(1, 2)
+
+    for dtype, tol in ((torch.float32, 1e-6), (torch.float64, 1e-12)):
+        v = tokens(x).to(dtype).contiguous().requires_grad_()
+        wt = w.to(dtype).requires_grad_()
+        out = DepthwiseConvTokens.apply(v, (H, W), wt, bias.to(dtype), (k // 2, k // 2), rows)
+        out.backward(tokens(grad).to(dtype))
+        assert rel(out.double(), tokens(want_out)) < tol
+        assert rel(v.grad.double(), tokens(want_dx)) < tol
+        assert wt.grad.shape == want_dw.shape and rel(wt.grad.double(), want_dw) < tol

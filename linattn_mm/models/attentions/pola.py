@@ -288,7 +288,8 @@ class PolaLinearAttention(BaseTokenMixer):
         all C channels with the kernel tiled over the heads, on the channels-last view of the
         tokens. With ``la_sr_ratio > 1`` the n reduced tokens are first brought back to H*W by
         1-D linear interpolation over the token index (official)."""
-        v = v[:, self.num_extra_tokens:]
+        if self.num_extra_tokens:  # (a slice of all tokens would cost a copy in the backward)
+            v = v[:, self.num_extra_tokens:]
         B, n, C = v.shape
         H, W = hw_shape
         if n != H * W:

@@ -160,25 +160,31 @@ class WindowSoftmaxAttention(BaseTokenMixer):
             s = 0  # one window holds the whole map: no shift (as the official Swin)
         return s, H + (-H) % ws, W + (-W) % ws
 
-    def _window_tokens(self, x, hw_shape):
-        """Tokens (B, H*W, C) -> the windows (B*nW, n, C) of the padded, shifted grid."""
+    def _window_tokens(self, x, hw_shape, pad_value=None):
+        """Tokens (B, H*W, C') -> the windows (B*nW, n, C') of the padded, shifted grid; the
+        padding holds zeros, or ``pad_value`` (C', ) where given."""
         B, N, C = x.shape
         H, W = hw_shape
         s, Hp, Wp = self._geometry(hw_shape)
         x = x.view(B, H, W, C)
         if Hp != H or Wp != W:
             x = F.pad(x, (0, 0, 0, Wp - W, 0, Hp - H))
+            if pad_value is not None:  # the padding only: a few rows and columns
+                x[:, H:] += pad_value
+                x[:, :H, W:] += pad_value
         if s:
             x = torch.roll(x, shifts=(-s, -s), dims=(1, 2))
         return window_partition(x, self.window_size)
 
     def _windows(self, x, hw_shape):
-        """Tokens -> per-window q, k, v (B*nW, h, n, d) and the additive logit bias."""
+        """Tokens -> per-window q, k, v (B*nW, h, n, d) and the additive logit bias. The
+        projection runs on the H*W tokens, and the padding's q, k, v are the projection of zeros
+        (its bias), as in Swin, where the padded grid is projected."""
         B = x.shape[0]
         ws = self.window_size
         s, Hp, Wp = self._geometry(hw_shape)
-        windows = self._window_tokens(x, hw_shape)  # (B*nW, n, C)
-        q, k, v = split_heads(self.qkv(windows), self.num_heads * 3).chunk(3, dim=1)
+        windows = self._window_tokens(self.qkv(x), hw_shape, self.qkv.bias)  # (B*nW, n, 3C)
+        q, k, v = split_heads(windows, self.num_heads * 3).chunk(3, dim=1)
         bias = self.relative_position_bias().to(q.dtype)[None]  # (1, h, n, n)
         if s:
             mask = shift_window_mask(Hp, Wp, ws, s, x.device).to(q.dtype)  # (nW, n, n)
@@ -217,7 +223,8 @@ class WindowSoftmaxAttention(BaseTokenMixer):
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=bias, dropout_p=self.attn_drop if self.training else 0.,
             scale=self.scale)
-        return self.unwindow(self.proj_drop(self.proj(merge_heads(out))), hw_shape)
+        # the output projection of the H*W tokens (the padding's outputs are dropped)
+        return self.proj_drop(self.proj(self.unwindow(merge_heads(out), hw_shape)))
 
     def unwindow(self, out, hw_shape):
         """Window outputs (B*nW, n, C) back to tokens (B, H*W, C): reverse the partition and the

@@ -42,7 +42,7 @@ class DropPath(nn.Module):
             return x
         keep = 1 - self.drop_prob
         mask = x.new_empty((x.shape[0], ) + (1, ) * (x.dim() - 1)).bernoulli_(keep)
-        return x * mask / keep
+        return x * mask.div_(keep)  # one pass over x, forward and backward
 
     def extra_repr(self):
         return f'drop_prob={self.drop_prob}'

@@ -16,6 +16,8 @@ its input's dtype.
 import torch
 import torch.nn.functional as F
 
+from ..common import linear_into
+
 __all__ = ['FFNBranch', 'ConvFFNBranch', 'ffn_branch', 'conv_ffn_branch', 'FFN_CHUNK_ELEMENTS',
            'ffn_chunk_rows']
 
@@ -94,19 +96,16 @@ class FFNBranch(torch.autograd.Function):
         x2 = x.reshape(-1, C)
         T = x2.shape[0]
         step = ffn_chunk_rows(x, w1.shape[0], rows)
-        h = out = None
-        for i in range(0, T, step):
-            n_c = _layer_norm(x2[i:i + step], ln_w, ln_b, eps)[0]
-            h_c = F.linear(n_c, w1, b1)
-            o_c = F.linear(F.gelu(h_c, approximate=approximate), w2, b2)
-            if step >= T:
-                h, out = h_c, o_c
-                break
-            if h is None:
-                h = h_c.new_empty(T, h_c.shape[-1])
-                out = o_c.new_empty(T, o_c.shape[-1])
-            h[i:i + step] = h_c
-            out[i:i + step] = o_c
+        if step >= T:
+            h = F.linear(_layer_norm(x2, ln_w, ln_b, eps)[0], w1, b1)
+            out = F.linear(F.gelu(h, approximate=approximate), w2, b2)
+        else:  # (CPU, float32 / float64, no autocast) each chunk written in place
+            h = x2.new_empty(T, w1.shape[0])
+            out = x2.new_empty(T, w2.shape[0])
+            for i in range(0, T, step):
+                h_c = linear_into(_layer_norm(x2[i:i + step], ln_w, ln_b, eps)[0], w1, b1,
+                                   h[i:i + step])
+                linear_into(F.gelu(h_c, approximate=approximate), w2, b2, out[i:i + step])
         ctx.eps, ctx.approximate, ctx.rows = eps, approximate, step
         ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
         ctx.save_for_backward(x, ln_w, ln_b, w1, w2, h)

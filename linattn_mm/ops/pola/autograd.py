@@ -24,10 +24,10 @@ import math
 
 import torch
 
-from ..common import MIN_CHUNK_ROWS, numpy_log2_
-from .fast import polarity_forward, query_side
+from ..common import numpy_log2_
+from .fast import chunk_rows, heads_buffer, polarity_forward, query_side, token_slice
 
-__all__ = ['PolarityAttention', 'polarity_attention_fast', 'TRAIN_CHUNK_ELEMENTS']
+__all__ = ['PolarityAttention', 'polarity_attention_fast']
 
 _LN2 = math.log(2.)
 
@@ -50,15 +50,19 @@ class _PowerTerms:
         """``(x+, x-)``."""
         return self.pos, self.neg
 
-    def backward(self, dpos, dneg):
-        """From the gradients of ``x+``, ``x-`` to those of ``x`` (and of the bias: the same
-        tensor, summed by the caller), of ``inv_scale`` and of ``p`` (the latter two still to be
-        summed to the parameters' shapes; ``p``'s also to be multiplied by ln 2)."""
+    def backward(self, dpos, dneg, out=None):
+        """From the gradients of ``x+``, ``x-`` to those of ``x`` (written into ``out`` if given;
+        also the bias's: the same tensor, summed by the caller), of ``inv_scale`` and of ``p``
+        (the latter two still to be summed to the parameters' shapes; ``p``'s also to be
+        multiplied by ln 2)."""
         g = torch.addcmul(dpos * self.pos, dneg, self.neg)  # G = da * a (x+, x- hold a)
-        nonzero = self.y != 0  # G = 0 elsewhere; 0 / 0 and 0 * log2(0) are set to 0
-        dy = torch.where(nonzero, g * self.p / self.y, 0.)
-        dp = torch.where(nonzero, g.mul_(self.log2), 0.)  # times ln 2 once summed
-        dx = dy * self.inv_scale if self.inv_scale is not None else dy
+        zero = self.y == 0  # G = 0 there; 0 / 0 and 0 * log2(0) are set to 0
+        dy = (g * self.p).div_(self.y).masked_fill_(zero, 0.)
+        dp = g.mul_(self.log2).masked_fill_(zero, 0.)  # times ln 2 once summed
+        if self.inv_scale is not None:
+            dx = torch.mul(dy, self.inv_scale, out=out)
+        else:
+            dx = dy if out is None else out.copy_(dy)
         d_inv = None
         if self.inv_scale is not None:
             d_inv = dy.mul_(self.x if self.bias is None else self.x + self.bias)
@@ -76,33 +80,6 @@ def _key_matrix_grads(dw_pos, dw_neg, d, n):
     return dkvp, dkvn, dksp, dksn
 
 
-#: elements of one (B, h, rows, d) chunk of the training backward (and forward): rows =
-#: ``TRAIN_CHUNK_ELEMENTS // (B h d)`` tokens, at least ``MIN_CHUNK_ROWS``; a chunk's dozen
-#: temporaries then stay in the core's caches instead of being fresh full-size maps
-TRAIN_CHUNK_ELEMENTS = 2 ** 17
-
-
-def chunk_rows(q, rows=None):
-    """Tokens per chunk for (B, h, N, d) tensors like ``q``: ``rows`` if given; on CPU by
-    :data:`TRAIN_CHUNK_ELEMENTS`; elsewhere all tokens in one chunk (a GPU gains nothing from
-    cache-sized chunks, and many small launches cost time)."""
-    if rows is None:
-        B, h, N, d = q.shape
-        if q.device.type != 'cpu':
-            return max(N, 1)
-        rows = max(MIN_CHUNK_ROWS, TRAIN_CHUNK_ELEMENTS // max(B * h * d, 1))
-    if rows < 1:
-        raise ValueError(f'polarity_attention_fast: rows must be positive, got {rows}')
-    return rows
-
-
-def _heads_buffer(like, tokens, dtype):
-    """An empty (B, h, tokens, d) tensor that is a view of a (B, tokens, h, d) buffer (merging
-    the heads of a gradient written into it is free)."""
-    B, h, _, d = like.shape
-    return torch.empty(B, tokens, h, d, dtype=dtype, device=like.device).transpose(1, 2)
-
-
 def _add_sum(acc, t, shape):
     """``acc + t.sum_to_size(shape)`` (``acc`` None at first)."""
     s = t.sum_to_size(shape)
@@ -113,7 +90,7 @@ class PolarityAttention(torch.autograd.Function):
     """``polarity_attention_fast`` with the lean backward of the module docstring. Inputs:
     q (B, h, N, d), k, v (B, h, n, d), p (1, h, 1, d), eps, inv_scale (1, h, 1, d) or None,
     k_bias broadcastable to k or None, rows (tokens per chunk of the backward, None: by
-    :data:`TRAIN_CHUNK_ELEMENTS`).
+    :data:`~linattn_mm.ops.pola.fast.TRAIN_CHUNK_ELEMENTS`).
 
     The backward runs over chunks of tokens: the query pass recomputes q+, q- and ``r`` for a
     chunk, writes its part of dq and accumulates the gradients of ``W+``, ``W-``; the key pass
@@ -121,7 +98,7 @@ class PolarityAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, p, eps, inv_scale, k_bias, rows):
-        out, w_pos, w_neg = polarity_forward(q, k, v, p, eps, inv_scale, k_bias)
+        out, w_pos, w_neg = polarity_forward(q, k, v, p, eps, inv_scale, k_bias, rows)
         ctx.eps, ctx.rows = eps, rows
         ctx.save_for_backward(q, k, v, p, inv_scale, k_bias, w_pos, w_neg)
         return out
@@ -146,7 +123,7 @@ class PolarityAttention(torch.autograd.Function):
         # queries, chunk by chunk: recompute q+, q- and r, then the output's gradient through
         # the division; accumulate the gradients of W+ and W-
         rows = chunk_rows(q, ctx.rows)
-        dq = _heads_buffer(q, N, q.dtype) if need[0] else None
+        dq = heads_buffer(q, N, q.dtype) if need[0] else None
         dw_pos = torch.zeros_like(w_pos)
         dw_neg = torch.zeros_like(w_neg)
         for i in range(0, N, rows):
@@ -165,22 +142,18 @@ class PolarityAttention(torch.autograd.Function):
             dw_neg += qn.transpose(-2, -1) @ dr
             dqp, dqn = dr @ w_pos.transpose(-2, -1), dr @ w_neg.transpose(-2, -1)
             del qp, qn, dr
-            dq_c, d_inv, dp = terms.backward(dqp, dqn)
-            if dq is not None:
-                dq[:, :, sl] = dq_c
+            _, d_inv, dp = terms.backward(dqp, dqn, None if dq is None else dq[:, :, sl])
             accumulate(d_inv, dp)
         # keys, chunk by chunk: k+^T v, k-^T v and the key sums
         dkvp, dkvn, dksp, dksn = _key_matrix_grads(dw_pos, dw_neg, d, n)
         del dw_pos, dw_neg
         dksp, dksn = dksp.unsqueeze(-2), dksn.unsqueeze(-2)
         rows = chunk_rows(k, ctx.rows)
-        dk = _heads_buffer(k, n, k.dtype) if need[1] or need[6] else None
-        dv = _heads_buffer(v, n, v.dtype) if need[2] else None
-        per_token_bias = k_bias is not None and k_bias.shape[-2] == n and n > 1
+        dk = heads_buffer(k, n, k.dtype) if need[1] or need[6] else None
+        dv = heads_buffer(v, n, v.dtype) if need[2] else None
         for i in range(0, n, rows):
             sl = slice(i, min(i + rows, n))
-            bias = k_bias[..., sl, :] if per_token_bias else k_bias
-            terms = _PowerTerms(k[:, :, sl], p, inv_scale, bias)
+            terms = _PowerTerms(k[:, :, sl], p, inv_scale, token_slice(k_bias, sl, n))
             kp, kn = terms.features()
             if dv is not None:
                 dv[:, :, sl] = torch.matmul(kp, dkvp).add_(kn @ dkvn)
@@ -188,9 +161,7 @@ class PolarityAttention(torch.autograd.Function):
             dkp = (vv @ dkvp.transpose(-2, -1)).add_(dksp)
             dkn = (vv @ dkvn.transpose(-2, -1)).add_(dksn)
             del kp, kn, vv
-            dk_c, d_inv, dp = terms.backward(dkp, dkn)
-            if dk is not None:
-                dk[:, :, sl] = dk_c
+            _, d_inv, dp = terms.backward(dkp, dkn, None if dk is None else dk[:, :, sl])
             accumulate(d_inv, dp)
         grads_p = acc['p'].mul_(_LN2) if want_p else None
         d_bias = None
@@ -214,8 +185,9 @@ def polarity_attention_fast(q, k, v, p, eps=1e-6, temperature=None, k_bias=None,
             k are divided by it (here: multiplied by its inverse).
         k_bias (Tensor, optional): added to ``k`` before the temperature (the position encoding,
             broadcastable to (B, h, n, d)).
-        rows (int, optional): tokens per chunk of the backward; None: by
-            :data:`TRAIN_CHUNK_ELEMENTS` (the result does not depend on it beyond float rounding).
+        rows (int, optional): tokens per chunk of the forward and the backward; None: by
+            :func:`~linattn_mm.ops.pola.fast.chunk_rows` (the result does not depend on it beyond
+            float rounding).
 
     Returns:
         Tensor: (B, h, N, d); channels ``[0, ceil(d/2))`` hold the same-signed stream, the rest the

@@ -32,9 +32,10 @@ float64, gradients included).
 """
 import torch
 
-from ..common import numpy_log2_, sign_split
+from ..common import MIN_CHUNK_ROWS, numpy_log2_, sign_split
 
-__all__ = ['polarity_features', 'polarity_forward', 'query_side']
+__all__ = ['polarity_features', 'polarity_forward', 'query_side', 'chunk_rows', 'heads_buffer',
+           'token_slice', 'TRAIN_CHUNK_ELEMENTS']
 
 
 def polarity_features(x, p, inv_scale=None, bias=None):
@@ -124,27 +125,75 @@ def query_side(qp, qn, w_pos, w_neg):
     return r.view(*lead, N, d + 2)
 
 
-def polarity_forward(q, k, v, p, eps, inv_scale, k_bias):
-    """The kernel's computation on (B, h, N, d) / (B, h, n, d) tensors, without an autograd graph:
-    the positive and negative feature halves stay separate buffers (no (N, 2d) concatenation is
-    ever written) and the query-side GEMM is ``q+ @ W+`` accumulated with ``q- @ W-``. Returns
-    the output (a (B, h, N, d) view of a (B, N, h, d) buffer) and ``W+``, ``W-``."""
-    n, d = k.shape[-2], q.shape[-1]
+#: elements of one (B, h, rows, d) chunk of the torch kernel and its training backward on CPU:
+#: rows = ``TRAIN_CHUNK_ELEMENTS // (B h d)`` tokens, at least ``MIN_CHUNK_ROWS``; a chunk's
+#: temporaries then stay in the core's caches instead of being fresh full-size maps
+TRAIN_CHUNK_ELEMENTS = 2 ** 17
+
+
+def chunk_rows(q, rows=None):
+    """Tokens per chunk for (B, h, N, d) tensors like ``q``: ``rows`` if given; on CPU by
+    :data:`TRAIN_CHUNK_ELEMENTS`; elsewhere all tokens in one chunk (a GPU gains nothing from
+    cache-sized chunks, and many small launches cost time)."""
+    if rows is None:
+        B, h, N, d = q.shape
+        if q.device.type != 'cpu':
+            return max(N, 1)
+        rows = max(MIN_CHUNK_ROWS, TRAIN_CHUNK_ELEMENTS // max(B * h * d, 1))
+    if rows < 1:
+        raise ValueError(f'polarity_attention_fast: rows must be positive, got {rows}')
+    return rows
+
+
+def heads_buffer(like, tokens, dtype):
+    """An empty (B, h, tokens, d) tensor that is a view of a (B, tokens, h, d) buffer (merging
+    the heads of a result written into it is free)."""
+    B, h, _, d = like.shape
+    return torch.empty(B, tokens, h, d, dtype=dtype, device=like.device).transpose(1, 2)
+
+
+def token_slice(t, sl, n):
+    """Tokens ``sl`` of a (.., n, d) tensor broadcast over the tokens or not (None stays None)."""
+    if t is None or t.shape[-2] != n or n == 1:
+        return t
+    return t[..., sl, :]
+
+
+def polarity_forward(q, k, v, p, eps, inv_scale, k_bias, rows=None):
+    """The kernel's computation on (B, h, N, d) / (B, h, n, d) tensors, without an autograd graph,
+    over chunks of tokens (:func:`chunk_rows`): the key pass accumulates ``k±^T v`` and the key
+    sums, the query pass writes its chunk of the output; the positive and negative feature halves
+    stay separate buffers (no (N, 2d) concatenation is ever written) and the query-side GEMM is
+    ``q+ @ W+`` accumulated with ``q- @ W-``. Returns the output (a (B, h, N, d) view of a
+    (B, N, h, d) buffer) and ``W+``, ``W-``."""
+    B, h, N, d = q.shape
+    n = k.shape[-2]
     d_s = (d + 1) // 2
-    kp, kn = _pos_neg_nograd(k, p, inv_scale, k_bias)
-    if not v.is_contiguous() and v.shape[0] > 1:
-        v = v.contiguous()  # read by two GEMMs
-    v = v.to(kp.dtype)
-    w_pos, w_neg = _query_weights(kp.transpose(-2, -1) @ v, kn.transpose(-2, -1) @ v,
-                                  kp.sum(dim=-2).unsqueeze(-1), kn.sum(dim=-2).unsqueeze(-1), n)
-    del kp, kn
-    qp, qn = _pos_neg_nograd(q, p, inv_scale)
-    r = query_side(qp, qn, w_pos, w_neg)
-    B, h, N = r.shape[:3]
-    if d_s * 2 != d:  # odd head dim: unequal halves
-        num, den = r[..., :d], r[..., d:].add_(eps)
-        out = torch.cat([num[..., :d_s] / den[..., :1], num[..., d_s:] / den[..., 1:]], dim=-1)
-    else:
-        out = torch.empty(B, N, h, d, dtype=r.dtype, device=r.device).transpose(1, 2)
-        _normalise_into(r, eps, out)
+    kvp = kvn = ksp = ksn = None
+    step = chunk_rows(k, rows)
+    for i in range(0, n, step):
+        sl = slice(i, min(i + step, n))
+        kp, kn = _pos_neg_nograd(k[:, :, sl], p, inv_scale, token_slice(k_bias, sl, n))
+        v_c = v[:, :, sl].to(kp.dtype)
+        parts = (kp.transpose(-2, -1) @ v_c, kn.transpose(-2, -1) @ v_c,
+                 kp.sum(dim=-2).unsqueeze(-1), kn.sum(dim=-2).unsqueeze(-1))
+        if kvp is None:
+            kvp, kvn, ksp, ksn = parts
+        else:
+            for acc, part in zip((kvp, kvn, ksp, ksn), parts):
+                acc.add_(part)
+        del kp, kn, v_c
+    w_pos, w_neg = _query_weights(kvp, kvn, ksp, ksn, n)
+    out = heads_buffer(q, N, w_pos.dtype)
+    step = chunk_rows(q, rows)
+    for i in range(0, N, step):
+        sl = slice(i, min(i + step, N))
+        qp, qn = _pos_neg_nograd(q[:, :, sl], p, inv_scale)
+        r = query_side(qp, qn, w_pos, w_neg)
+        if d_s * 2 != d:  # odd head dim: unequal halves
+            num, den = r[..., :d], r[..., d:].add_(eps)
+            out[:, :, sl] = torch.cat([num[..., :d_s] / den[..., :1],
+                                       num[..., d_s:] / den[..., 1:]], dim=-1)
+        else:
+            _normalise_into(r, eps, out[:, :, sl])
     return out, w_pos, w_neg
