@@ -13,6 +13,8 @@ backward than plain autograd and recompute the rest (same values, same gradients
   projections): the same forward; its backward takes the parts' gradients one by one, where plain
   autograd first stacks them into one full-width gradient (a fresh (N, parts C) map, the costliest
   copy of a Pola layer's backward on CPU).
+* :class:`GatherTokens` — tokens rearranged by an index (Swin's padded, shifted windows and
+  back): one gather each way, where pad + roll + partition copy the map three times.
 * :func:`recomputed` — any function of a mixer that keeps only its inputs and runs once more in
   the backward (PADRe, Poly-SA and SeT, whose polynomial products, pooled terms or transport
   plans are many maps a token but cheap to recompute from the mixer's input).
@@ -27,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from .common import linear_into
 
 __all__ = ['DepthwiseConvTokens', 'GatedLinear', 'NormGatedLinear', 'SplitLinear', 'split_linear',
-           'recomputed', 'conv_band_rows', 'CONV_BAND_ELEMENTS', 'MIN_BAND_ROWS', 'MAX_BAND_ROWS']
+           'GatherTokens', 'recomputed', 'conv_band_rows', 'CONV_BAND_ELEMENTS', 'MIN_BAND_ROWS', 'MAX_BAND_ROWS']
 
 
 def recomputed(fn, *args):
@@ -337,3 +339,35 @@ class SplitLinear(torch.autograd.Function):
 def split_linear(x, linear, parts):
     """:class:`SplitLinear` with the parameters of ``linear``: a tuple of ``parts`` tensors."""
     return SplitLinear.apply(x, linear.weight, linear.bias, parts)
+
+
+class GatherTokens(torch.autograd.Function):
+    """``out[:, j] = src[:, idx[j]]`` of (B, L, C) tokens, and ``fill`` (C, ) (zeros if None)
+    where ``idx[j] < 0`` (the positions ``holes``). ``inv`` is the inverse map (``inv[i] = j`` where
+    ``idx[j] = i``; -1 at the positions ``inv_holes`` that no ``j`` takes), so the backward is a
+    gather too: ``dsrc[:, i] = grad[:, inv[i]]`` (zeros at ``inv_holes``) and ``dfill`` the sum of
+    the gradient at ``holes``."""
+
+    @staticmethod
+    def forward(ctx, src, idx, holes, inv, inv_holes, fill):
+        out = src.index_select(1, idx.clamp_min(0))
+        if holes.numel():
+            fill_rows = out.new_zeros(()) if fill is None else fill.to(out.dtype)
+            out.index_copy_(1, holes, fill_rows.expand(out.shape[0], holes.numel(),
+                                                       out.shape[-1]))
+        ctx.has_fill = fill is not None
+        ctx.save_for_backward(idx, holes, inv, inv_holes)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        idx, holes, inv, inv_holes = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        dsrc = dfill = None
+        if need[0]:
+            dsrc = grad.index_select(1, inv.clamp_min(0))
+            if inv_holes.numel():
+                dsrc.index_fill_(1, inv_holes, 0)
+        if ctx.has_fill and need[5]:
+            dfill = grad.index_select(1, holes).sum((0, 1))
+        return dsrc, None, None, None, None, dfill

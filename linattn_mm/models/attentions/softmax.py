@@ -1,10 +1,13 @@
 """Softmax attention references: global multi-head attention, Swin window attention and PVT
 spatial-reduction attention. Parameter names follow the official DeiT / Swin / PVT code, so
 official checkpoints load with their keys unchanged."""
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from linattn_mm.ops.lean_layers import GatherTokens
 from linattn_mm.registry import ATTENTIONS
 from .base import BaseTokenMixer, merge_heads, split_heads
 from ..utils.grid import nlc_to_nchw
@@ -74,6 +77,27 @@ def window_reverse(windows, ws, H, W):
     B = windows.shape[0] // ((H // ws) * (W // ws))
     x = windows.view(B, H // ws, W // ws, ws, ws, C).permute(0, 1, 3, 2, 4, 5)
     return x.reshape(B, H, W, C)
+
+
+@functools.lru_cache(maxsize=64)
+def window_layout(H, W, ws, shift, device):
+    """Where the tokens of an H x W grid go in Swin's windows: the grid padded at the bottom /
+    right to multiples of ``ws``, cyclically shifted by ``shift`` (``torch.roll`` by ``-shift``)
+    and split into ws x ws windows. Returns ``(idx, holes, inv, inv_holes)``: ``idx`` (Hp*Wp, )
+    the token of every window position (window by window, -1 on the padding), ``holes`` the
+    padding's positions, ``inv`` (H*W, ) the window position of every token, ``inv_holes`` empty
+    (for :class:`~linattn_mm.ops.lean_layers.GatherTokens`, both ways)."""
+    Hp, Wp = H + (-H) % ws, W + (-W) % ws
+    ys = (torch.arange(Hp, device=device) + shift) % Hp
+    xs = (torch.arange(Wp, device=device) + shift) % Wp
+    grid = ys[:, None] * W + xs[None, :]
+    grid = grid.masked_fill((ys[:, None] >= H) | (xs[None, :] >= W), -1)
+    idx = window_partition(grid.view(1, Hp, Wp, 1), ws).reshape(-1)
+    holes = (idx < 0).nonzero().flatten()
+    inv = torch.empty(H * W, dtype=torch.long, device=device)
+    real = (idx >= 0).nonzero().flatten()
+    inv[idx[real]] = real
+    return idx, holes, inv, holes.new_empty(0)
 
 
 def shift_region_labels(Hp, Wp, ws, shift, device, dtype=torch.float32):
@@ -160,35 +184,39 @@ class WindowSoftmaxAttention(BaseTokenMixer):
             s = 0  # one window holds the whole map: no shift (as the official Swin)
         return s, H + (-H) % ws, W + (-W) % ws
 
-    def _window_tokens(self, x, hw_shape, pad_value=None):
-        """Tokens (B, H*W, C') -> the windows (B*nW, n, C') of the padded, shifted grid; the
-        padding holds zeros, or ``pad_value`` (C', ) where given."""
+    def _window_tokens(self, x, hw_shape):
+        """Tokens (B, H*W, C) -> the windows (B*nW, n, C) of the padded, shifted grid."""
         B, N, C = x.shape
         H, W = hw_shape
         s, Hp, Wp = self._geometry(hw_shape)
         x = x.view(B, H, W, C)
         if Hp != H or Wp != W:
             x = F.pad(x, (0, 0, 0, Wp - W, 0, Hp - H))
-            if pad_value is not None:  # the padding only: a few rows and columns
-                x[:, H:] += pad_value
-                x[:, :H, W:] += pad_value
         if s:
             x = torch.roll(x, shifts=(-s, -s), dims=(1, 2))
         return window_partition(x, self.window_size)
 
+    def _layout(self, hw_shape, device):
+        s, _, _ = self._geometry(hw_shape)
+        return window_layout(int(hw_shape[0]), int(hw_shape[1]), self.window_size, s, device)
+
     def _windows(self, x, hw_shape):
-        """Tokens -> per-window q, k, v (B*nW, h, n, d) and the additive logit bias. The
-        projection runs on the H*W tokens, and the padding's q, k, v are the projection of zeros
-        (its bias), as in Swin, where the padded grid is projected."""
+        """Tokens -> per-window q, k, v (B*nW, h, n, d) and the additive logit bias, (1, h, n, n)
+        or, for shifted windows, (nW, h, n, n) (the mask of each window's position added). The
+        projection runs on the H*W tokens; the padding's q, k, v are the projection of zeros (its
+        bias), as in Swin, where the padded grid is projected. The padded, shifted windows are one
+        gather of the projection (:class:`~linattn_mm.ops.lean_layers.GatherTokens`)."""
         B = x.shape[0]
-        ws = self.window_size
+        ws, n = self.window_size, self.window_size ** 2
         s, Hp, Wp = self._geometry(hw_shape)
-        windows = self._window_tokens(self.qkv(x), hw_shape, self.qkv.bias)  # (B*nW, n, 3C)
+        qkv = self.qkv(x)
+        windows = GatherTokens.apply(qkv, *self._layout(hw_shape, x.device), self.qkv.bias)
+        windows = windows.view(B * (Hp // ws) * (Wp // ws), n, qkv.shape[-1])
         q, k, v = split_heads(windows, self.num_heads * 3).chunk(3, dim=1)
         bias = self.relative_position_bias().to(q.dtype)[None]  # (1, h, n, n)
         if s:
             mask = shift_window_mask(Hp, Wp, ws, s, x.device).to(q.dtype)  # (nW, n, n)
-            bias = (bias + mask[:, None]).repeat(B, 1, 1, 1)  # (B*nW, h, n, n)
+            bias = bias + mask[:, None]
         return q, k, v, bias
 
     has_attention_weights = True
@@ -203,7 +231,7 @@ class WindowSoftmaxAttention(BaseTokenMixer):
         ws = self.window_size
         s, Hp, Wp = self._geometry(hw_shape)
         q, k, _, bias = self._windows(x, hw_shape)
-        attn = (q @ k.transpose(-2, -1) * self.scale + bias).softmax(-1)  # (B*nW, h, n, n)
+        attn = self._attend_bias(q @ k.transpose(-2, -1) * self.scale, bias).softmax(-1)
         # the padded-grid index of every window position, in the image's (unshifted) frame
         pos = torch.arange(Hp * Wp, device=x.device).view(1, Hp, Wp, 1)
         if s:
@@ -217,14 +245,25 @@ class WindowSoftmaxAttention(BaseTokenMixer):
                 + torch.arange(W, device=x.device)[None, :])[:H].reshape(-1)
         return dict(weights=full[:, :, keep][:, :, :, keep], key_hw=(H, W))
 
+    @staticmethod
+    def _attend_bias(logits, bias):
+        """Logits (B*nW, h, n, n) plus the bias (1 or nW, h, n, n), without repeating it."""
+        nb = bias.shape[0]
+        return (logits.view(-1, nb, *logits.shape[1:]) + bias).view(logits.shape)
+
     def forward(self, x, hw_shape):
+        """``proj(softmax(q k^T / sqrt(d) + bias) v)`` in every window (as Swin), the windows'
+        outputs gathered back to the H*W tokens before the output projection."""
         self.check_input(x, hw_shape)
+        B, N, C = x.shape
         q, k, v, bias = self._windows(x, hw_shape)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=bias, dropout_p=self.attn_drop if self.training else 0.,
-            scale=self.scale)
-        # the output projection of the H*W tokens (the padding's outputs are dropped)
-        return self.proj_drop(self.proj(self.unwindow(merge_heads(out), hw_shape)))
+        attn = self._attend_bias((q * self.scale) @ k.transpose(-2, -1), bias).softmax(-1)
+        if self.training and self.attn_drop > 0:
+            attn = F.dropout(attn, self.attn_drop)
+        out = merge_heads(attn @ v).reshape(B, -1, C)  # (B, Hp*Wp, C), window by window
+        idx, holes, inv, inv_holes = self._layout(hw_shape, x.device)
+        tokens = GatherTokens.apply(out, inv, inv_holes, idx, holes, None)  # (B, H*W, C)
+        return self.proj_drop(self.proj(tokens))
 
     def unwindow(self, out, hw_shape):
         """Window outputs (B*nW, n, C) back to tokens (B, H*W, C): reverse the partition and the
