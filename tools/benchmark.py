@@ -52,7 +52,9 @@ tensor storage counted by :class:`linattn_mm.utils.PeakMemoryCounter` during one
 (untimed) forward, not counting the weights and the input. All forwards run in ``eval`` mode under
 ``torch.inference_mode``.
 
-``--mode train`` times training steps instead: ``train`` mode, the forward, a loss (a backbone:
+``--mode train`` times training steps instead, every target built first and the targets' steps
+run in interleaved rounds (A, B, C, A, B, C, ...; the other modes measure one target after the
+other): ``train`` mode, the forward, a loss (a backbone:
 ``sum(mean(out^2))`` over its outputs; ``--part model``: the model's own losses on a synthetic
 batch with demo-shaped annotations, :func:`linattn_mm.utils.synthetic.training_batch`) and the
 backward, the gradients of the previous step cleared first. Nothing is converted: the models run
@@ -590,56 +592,71 @@ def main(argv=None):
 
     results = []
     bar = progress_bar(len(jobs) * len(sizes), 'benchmark', unit='run', dynamic_ncols=True)
-    for name, build, call in jobs:
-        if bar is not None:
-            bar.set_postfix_str(f'building {name}')
-        model = build().to(device)
-        # (some mmdet backbones' train() returns None: no chaining)
-        model.train() if args.mode == 'train' else model.eval()
-        _randomise_pola(model, args.seed)
-        has_mixers = bool(pola_modules(model) or nala_modules(model))
-        impls = args.impls if has_mixers else ['-']
-        nparams = sum(p.numel() for p in model.parameters())
+    # --mode train: every target is built first and their steps run in interleaved rounds (A, B,
+    # C, A, B, C, ...), so that a change of the machine's load hits them alike; the other modes
+    # measure one target after the other (their implementations interleaved)
+    groups = [jobs] if args.mode == 'train' else [[job] for job in jobs]
+    for group in groups:
+        built = []
+        for name, build, call in group:
+            if bar is not None:
+                bar.set_postfix_str(f'building {name}')
+            model = build().to(device)
+            # (some mmdet backbones' train() returns None: no chaining)
+            model.train() if args.mode == 'train' else model.eval()
+            _randomise_pola(model, args.seed)
+            has_mixers = bool(pola_modules(model) or nala_modules(model))
+            impls = args.impls if has_mixers else ['-']
+            built.append((name, model, call, impls, has_mixers,
+                          sum(p.numel() for p in model.parameters())))
         for hw in sizes:
             if bar is not None:
-                bar.set_postfix_str(f'{name} {hw[0]}x{hw[1]}')
-            torch.manual_seed(args.seed + 1)
-            fn_base = call(model, hw)
-            variants = [(impl, (lambda impl=impl, model=model: set_impl(
-                model, 'fast' if impl == '-' else impl, args.ffn, train=args.mode == 'train')),
-                fn_base) for impl in impls]
+                bar.set_postfix_str(' '.join(b[0] for b in built) + f' {hw[0]}x{hw[1]}')
+            variants, labels = [], {}
+            for name, model, call, impls, _, _ in built:
+                torch.manual_seed(args.seed + 1)
+                fn_base = call(model, hw)
+                for impl in impls:
+                    key = f'{name} | {impl}'
+                    labels[key] = (name, impl)
+                    variants.append((key, (lambda impl=impl, model=model: set_impl(
+                        model, 'fast' if impl == '-' else impl, args.ffn,
+                        train=args.mode == 'train')), fn_base))
             try:
                 meas = measure_interleaved(variants, device, args.warmup, args.repeats, ac)
             except (RuntimeError, MemoryError) as e:  # e.g. out of memory
-                emit(bar, f'{name} {hw[0]}x{hw[1]}: FAILED {type(e).__name__}: {str(e)[:200]}')
+                emit(bar, f'{" ".join(b[0] for b in built)} {hw[0]}x{hw[1]}: FAILED '
+                     f'{type(e).__name__}: {str(e)[:200]}')
                 if bar is not None:
-                    bar.update()
+                    bar.update(len(built))
                 continue
-            first_out = meas[impls[0]][2]
-            for impl in impls:
-                med, times, out, peak, how = meas[impl]
-                diff = None if impl == impls[0] else max_abs_diff(first_out, out)
-                r = dict(target=name, impl=impl, size=list(hw), pixels=hw[0] * hw[1],
-                         batch=args.batch, latency_ms=med * 1e3,
-                         times_ms=[t * 1e3 for t in times], img_per_s=args.batch / med,
-                         peak_mem_mb=peak / 2**20, peak_mem_method=how, params=nparams,
-                         max_abs_diff_vs_first_impl=diff,
-                         max_abs_output=max_abs(out))
-                results.append(r)
-                extra = '' if diff is None else (f'  max|diff| vs {impls[0]} = {diff:.3g} '
-                                                 f'(max|out| {r["max_abs_output"]:.3g})')
-                emit(bar, f'{name:28s} {impl:9s} {hw[0]:5d}x{hw[1]:<5d} {med * 1e3:10.1f} ms '
-                     f'(min {min(times) * 1e3:.1f}) {args.batch / med:9.2f} img/s  '
-                     f'peak {peak / 2**20:9.1f} MB{extra}')
-                del out
-            del meas
-            del first_out, fn_base
+            for name, model, call, impls, _, nparams in built:
+                first_out = meas[f'{name} | {impls[0]}'][2]
+                for impl in impls:
+                    med, times, out, peak, how = meas[f'{name} | {impl}']
+                    diff = None if impl == impls[0] else max_abs_diff(first_out, out)
+                    r = dict(target=name, impl=impl, size=list(hw), pixels=hw[0] * hw[1],
+                             batch=args.batch, latency_ms=med * 1e3,
+                             times_ms=[t * 1e3 for t in times], img_per_s=args.batch / med,
+                             peak_mem_mb=peak / 2**20, peak_mem_method=how, params=nparams,
+                             max_abs_diff_vs_first_impl=diff,
+                             max_abs_output=max_abs(out))
+                    results.append(r)
+                    extra = '' if diff is None else (f'  max|diff| vs {impls[0]} = {diff:.3g} '
+                                                     f'(max|out| {r["max_abs_output"]:.3g})')
+                    emit(bar, f'{name:28s} {impl:9s} {hw[0]:5d}x{hw[1]:<5d} {med * 1e3:10.1f} ms '
+                         f'(min {min(times) * 1e3:.1f}) {args.batch / med:9.2f} img/s  '
+                         f'peak {peak / 2**20:9.1f} MB{extra}')
+                    del out
+                del first_out
+            del meas, variants
             gc.collect()
             if bar is not None:
-                bar.update()
-        if has_mixers:
-            set_impl(model, 'fast', train=args.mode == 'train')
-        del model
+                bar.update(len(built))
+        for name, model, call, impls, has_mixers, _ in built:
+            if has_mixers:
+                set_impl(model, 'fast', train=args.mode == 'train')
+        del built
         gc.collect()
         if device.type == 'cuda':
             torch.cuda.empty_cache()
