@@ -506,10 +506,11 @@ def case_dist_train_config(sh, tmp_path):
 def case_get_flops_maskrcnn(sh, tmp_path):
     cmd = '.venv/bin/python tools/get_flops.py configs/swin/mask-rcnn_swin-t_fpn_1x_coco.py'
     out = sh(cmd, doc_argv(cmd))
-    # docs/get_started.md: "Mask R-CNN Swin-T counts 47.8M parameters and 275 GMACs at 800x1344"
+    # docs/get_started.md: "Mask R-CNN Swin-T counts 47.8M parameters and 273 GMACs at 800x1344"
+    # (275 when the window layers projected the padded grid too)
     params = float(re.search(r'^params: ([\d.]+) M', out, re.M).group(1))
     macs = float(re.search(r'^MACs\s*: ([\d.]+) G', out, re.M).group(1))
-    assert round(params, 1) == 47.8 and round(macs) == 275, (params, macs)
+    assert round(params, 1) == 47.8 and round(macs) == 273, (params, macs)
     assert '[1, 3, 800, 1344]' in out
 
 
