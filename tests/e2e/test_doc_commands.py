@@ -231,6 +231,24 @@ TABLE = {
     'python tools/benchmark.py --mode backbone pola-pvt-t pola-swin-t nalaformer-t-linear --sizes '
     '1024 2048 --threads 1 --warmup 1 --repeats 2 --heap-malloc --json scale_heap.json':
         Run('benchmark_scale_heap', '--sizes 64 96 --warmup 0 --repeats 1; --json -> tmp'),
+    'python tools/benchmark.py --mode train pola-swin-t swin-t nalaformer-t nalaformer-t-linear '
+    'linattn-swin-t --sizes 800x1344 --batch 1 --threads 1 --warmup 1 --repeats 5 --compare swin-t '
+    'pola-swin-t:linattn-swin-t':
+        Run('benchmark_train_backbones', '--sizes 64x96 --warmup 0 --repeats 1'),
+    'python tools/benchmark.py --mode train pola-pvt-t pvt-t linattn-pvt-t --sizes 512x832 800x1344 '
+    '--threads 1 --warmup 1 --repeats 5 --compare pvt-t pola-pvt-t:linattn-pvt-t':
+        Run('benchmark_train_pvt', '--sizes 64x96 96x128 --warmup 0 --repeats 1'),
+    "python tools/benchmark.py --mode train configs/polaformer/mask-rcnn_pola-swin-t_fpn_1x_coco.py "
+    "'mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py' --part model --sizes 800x1344 --threads 1 "
+    "--warmup 1 --repeats 3 --compare 'mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'":
+        Run('benchmark_train_mask_rcnn', '--sizes 128x192 --warmup 0 --repeats 1'),
+    'python tools/benchmark.py --mode train pola-pvt-t pola-swin-t nalaformer-t-linear '
+    'configs/padre/mask-rcnn_padre-swin-t_fpn_1x_coco.py configs/poly/mask-rcnn_poly-pvt-t_fpn_1x_coco.py '
+    '--sizes 1024 2048 --threads 1 --warmup 0 --repeats 1':
+        Run('benchmark_train_scale', '--sizes 64 96'),
+    'python tools/benchmark.py --mode train configs/setformer/mask-rcnn_setformer-t_fpn_1x_coco.py '
+    '--sizes 512 1024 --threads 1 --warmup 0 --repeats 1':
+        Run('benchmark_train_scale_setformer', '--sizes 64 96'),
     'python tools/benchmark.py --mode core --device cuda --dtype bf16 --grid 128x128 256x256 '
     '--batch 8 --impls triton torch --compare torch':
         Run('benchmark_core', '--device cpu --dtype fp32 --impls torch reference --compare '
@@ -633,6 +651,67 @@ def case_benchmark_scale_heap(sh, tmp_path):
     assert json.loads(js.read_text())['args']['heap_malloc'] is True
     for name in ('pola-pvt-t', 'pola-swin-t', 'nalaformer-t-linear'):
         assert re.search(rf'^{name}\s+fast\s+96x96/64x64: [\d.]+; slope', out, re.M), out[-3000:]
+
+
+def case_benchmark_train_backbones(sh, tmp_path):
+    cmd = ('python tools/benchmark.py --mode train pola-swin-t swin-t nalaformer-t '
+           'nalaformer-t-linear linattn-swin-t --sizes 800x1344 --batch 1 --threads 1 --warmup 1 '
+           '--repeats 5 --compare swin-t pola-swin-t:linattn-swin-t')
+    out = sh(cmd, doc_argv(cmd, values={'--sizes': ['64x96'], '--warmup': ['0'],
+                                        '--repeats': ['1']}))
+    assert '# time ratios: swin-t / this' in out
+    assert '# time ratios: linattn-swin-t / this' in out
+    for name in ('pola-swin-t', 'nalaformer-t', 'nalaformer-t-linear', 'linattn-swin-t'):
+        assert re.search(_RATIO.format(name=name, impl=r'\S+', size='64x96'), out, re.M), \
+            out[-3000:]
+    assert re.search(r'^pola-swin-t\s+fast\s+64x96: [\d.]+x  \(.*memory [\d.]+x', out, re.M), \
+        out[-3000:]
+
+
+def case_benchmark_train_pvt(sh, tmp_path):
+    cmd = ('python tools/benchmark.py --mode train pola-pvt-t pvt-t linattn-pvt-t --sizes 512x832 '
+           '800x1344 --threads 1 --warmup 1 --repeats 5 --compare pvt-t pola-pvt-t:linattn-pvt-t')
+    out = sh(cmd, doc_argv(cmd, values={'--sizes': ['64x96', '96x128'], '--warmup': ['0'],
+                                        '--repeats': ['1']}))
+    for size in ('64x96', '96x128'):
+        for name in ('pola-pvt-t', 'linattn-pvt-t'):
+            assert re.search(_RATIO.format(name=name, impl=r'\S+', size=size), out, re.M), \
+                out[-3000:]
+    assert '# time ratios: linattn-pvt-t / this' in out
+
+
+def case_benchmark_train_mask_rcnn(sh, tmp_path):
+    stock = 'mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'
+    ours = 'configs/polaformer/mask-rcnn_pola-swin-t_fpn_1x_coco.py'
+    cmd = (f"python tools/benchmark.py --mode train {ours} '{stock}' --part model --sizes 800x1344 "
+           f"--threads 1 --warmup 1 --repeats 3 --compare '{stock}'")
+    out = sh(cmd, doc_argv(cmd, values={'--sizes': ['128x192'], '--warmup': ['0'],
+                                        '--repeats': ['1']}))
+    assert f'# time ratios: {stock} / this' in out
+    assert re.search(_RATIO.format(name=re.escape(ours), impl=r'\S+', size='128x192'), out,
+                     re.M), out[-3000:]
+
+
+def case_benchmark_train_scale(sh, tmp_path):
+    cmd = ('python tools/benchmark.py --mode train pola-pvt-t pola-swin-t nalaformer-t-linear '
+           'configs/padre/mask-rcnn_padre-swin-t_fpn_1x_coco.py '
+           'configs/poly/mask-rcnn_poly-pvt-t_fpn_1x_coco.py --sizes 1024 2048 --threads 1 '
+           '--warmup 0 --repeats 1')
+    out = sh(cmd, doc_argv(cmd, values={'--sizes': ['64', '96']}))
+    for name in ('pola-pvt-t', 'pola-swin-t', 'nalaformer-t-linear',
+                 'configs/padre/mask-rcnn_padre-swin-t_fpn_1x_coco.py',
+                 'configs/poly/mask-rcnn_poly-pvt-t_fpn_1x_coco.py'):
+        assert re.search(rf'^{re.escape(name)}\s+\S+\s+96x96/64x64: [\d.]+; slope [-\d.]+ '
+                         rf'\(memory [\d.]+\)', out, re.M), out[-3000:]
+
+
+def case_benchmark_train_scale_setformer(sh, tmp_path):
+    cfg = 'configs/setformer/mask-rcnn_setformer-t_fpn_1x_coco.py'
+    cmd = (f'python tools/benchmark.py --mode train {cfg} --sizes 512 1024 --threads 1 --warmup 0 '
+           '--repeats 1')
+    out = sh(cmd, doc_argv(cmd, values={'--sizes': ['64', '96']}))
+    assert re.search(rf'^{re.escape(cfg)}\s+\S+\s+96x96/64x64: [\d.]+; slope', out, re.M), \
+        out[-3000:]
 
 
 def case_benchmark_core(sh, tmp_path):
