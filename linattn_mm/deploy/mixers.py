@@ -87,7 +87,8 @@ class PolaLinearAttentionCPU(InferenceForm, PolaLinearAttention):
                              lambda: self.pos_enc(hw_shape).reshape(-1, C), (hw_shape, ))
         out = polarity_layer_chunked(
             x, w_q, b_q, w_kv, b_kv, w_g, b_g, self.proj.weight, self.proj.bias, p, inv_s, pe,
-            self.eps, self.num_heads, lambda v: self.conv_term(v, hw_shape))
+            self.eps, self.num_heads,
+            (lambda v: self.conv_term(v, hw_shape)) if self.use_dwc else None)
         return self.proj_drop(out)
 
 

@@ -19,6 +19,7 @@ CASES = [
     dict(qkv_layout='qkvg', use_pos_enc=False, temperature=False),
     dict(qkv_layout='qg_kv', qkv_bias=False),
     dict(qkv_layout='qg_kv', heads=1, dims=16),
+    dict(qkv_layout='qkvg', use_dwc=False),  # no conv term
 ]
 
 
@@ -79,6 +80,7 @@ def test_converted_only_where_the_form_applies(chunked_calls):
     with torch.no_grad(), pytest.raises(RuntimeError, match='float32 / float64 inputs'):
         fast.half()(x.half(), (4, 5))  # only float32 / float64
     others = [dict(qkv_layout='qkvg', gate='static'), dict(qkv_layout='qg_kv', gate='none'),
+              dict(qkv_layout='qg_kv', gate='none', use_dwc=False),  # polarity only
               dict(qkv_layout='qg_kv', la_sr_ratio=2), dict(qkv_layout='qkvg', num_extra_tokens=1),
               dict(qkv_layout='qkvg', heads=8)]  # head dim 3: odd
     for case in others:

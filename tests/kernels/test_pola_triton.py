@@ -33,7 +33,7 @@ def test_interpreted_kernel_equals_the_reference(interpreted):
 def test_interpreted_modules_and_backbone_equal_the_reference(interpreted):
     mods = {k: v for k, v in interpreted.items() if k.startswith(('module', 'Pola-Swin'))}
     assert set(mods) == {'module qkvg', 'module qg_kv la_sr 2', 'module static gate, class token',
-                         'Pola-Swin backbone'}
+                         'module polarity only', 'Pola-Swin backbone'}
     for name, err in mods.items():
         assert err < 1e-5, f'{name}: relative error {err:.3g}'
 

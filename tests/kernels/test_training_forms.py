@@ -206,6 +206,15 @@ BACKBONES = {
     'pola-deit class token': lambda **kw: LinAttnViT(
         arch=dict(embed_dims=48, depth=4, num_heads=3), attn_cfg=dict(POLA_L, use_pos_enc=False),
         pretrain_img_size=64, drop_path_rate=0., **kw),
+    'pola-deit polarity only': lambda **kw: LinAttnViT(  # no G, no DWC (paper Table 3 row 2)
+        arch=dict(embed_dims=48, depth=4, num_heads=3),
+        attn_cfg=dict(POLA_L, use_pos_enc=False, gate='none', use_dwc=False),
+        pretrain_img_size=64, drop_path_rate=0., **kw),
+    'pola-swin no dwc': lambda **kw: LinAttnSwin(arch=dict(embed_dims=24, depths=[1, 1, 2, 1],
+                                                           num_heads=[3, 3, 6, 12]),
+                                                 attn_cfg=[dict(POLA_L, use_dwc=False)] * 2
+                                                 + [WIN, WIN],
+                                                 pretrain_img_size=64, drop_path_rate=0., **kw),
     'nalaformer released': lambda **kw: NaLaFormer(
         arch=dict(embed_dims=[16, 32, 32, 64], depths=[1, 2, 1, 1], num_heads=[1, 2, 2, 4],
                   mlp_ratios=[2, 2, 2, 2], layer_scale_init_values=[0.5] * 4),

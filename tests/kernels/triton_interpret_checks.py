@@ -88,7 +88,8 @@ def run_modules(res):
     cases = [('module qkvg', dict(qkv_layout='qkvg'), 0, (11, 13)),
              ('module qg_kv la_sr 2', dict(la_sr_ratio=2), 0, (12, 9)),
              ('module static gate, class token', dict(qkv_layout='qkvg', gate='static'), 1,
-              (7, 7))]
+              (7, 7)),
+             ('module polarity only', dict(gate='none', use_dwc=False), 0, (9, 10))]
     for i, (name, kw, e, hw) in enumerate(cases):
         torch.manual_seed(i)
         m = PolaLinearAttention(32, 4, pretrain_hw=(8, 8), num_extra_tokens=e, **kw).eval()

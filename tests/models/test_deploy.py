@@ -26,6 +26,15 @@ NETS = {
     'pola-pvt': (lambda: LinAttnPVT(arch=SMALL_PVT, attn_cfg=dict(type='PolaLinearAttention'),
                                     pretrain_img_size=64),
                  {'PolaLinearAttentionCPU', 'TransformerBlockCPU', 'PatchEmbedCPU'}),
+    'pola-swin no dwc': (lambda: LinAttnSwin(arch=dict(embed_dims=24, depths=[1, 1, 2, 1],
+                                                       num_heads=[3, 3, 6, 12]),
+                                             attn_cfg=[dict(POLA_L, use_dwc=False)] * 2
+                                             + [WIN, WIN], pretrain_img_size=64),
+                         {'PolaLinearAttentionCPU', 'WindowSoftmaxAttentionCPU',
+                          'TransformerBlockCPU', 'PatchEmbedCPU'}),
+    'pola-pvt polarity only': (lambda: LinAttnPVT(arch=SMALL_PVT, attn_cfg=dict(
+        type='PolaLinearAttention', gate='none', use_dwc=False), pretrain_img_size=64),
+        {'TransformerBlockCPU', 'PatchEmbedCPU'}),  # no dynamic gate: no chunked Pola
     'pvtv2': (lambda: LinAttnPVTv2(arch=dict(SMALL_PVT, embed_dims=[16, 32, 40, 64])),
               set()),  # overlapping patches, depth-wise conv FFN, softmax SRA: nothing to convert
     'nalaformer': (lambda: NaLaFormer(arch=SMALL_NALA),

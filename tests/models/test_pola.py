@@ -50,14 +50,21 @@ def direct_pola(m, x, hw):
     h = m.num_heads
     d = C // h
     e = m.num_extra_tokens
-    # projections (official chunk orders)
+    # projections (official chunk orders; without the dynamic gate no g rows)
+    g = None
     if m.qkv_layout == 'qkvg':
-        out4 = x @ m.qkvg.weight.T + m.qkvg.bias
-        q, k, v, g = out4[..., :C], out4[..., C:2 * C], out4[..., 2 * C:3 * C], out4[..., 3 * C:]
+        lin = m.qkvg if m.gate_type == 'dynamic' else m.qkv
+        out4 = x @ lin.weight.T + lin.bias
+        q, k, v = out4[..., :C], out4[..., C:2 * C], out4[..., 2 * C:3 * C]
+        if m.gate_type == 'dynamic':
+            g = out4[..., 3 * C:]
         kv_grid = (H, W)
     else:
-        qg = x @ m.qg.weight.T + m.qg.bias
-        q, g = qg[..., :C], qg[..., C:]
+        lin = m.qg if m.gate_type == 'dynamic' else m.q
+        qg = x @ lin.weight.T + lin.bias
+        q = qg[..., :C]
+        if m.gate_type == 'dynamic':
+            g = qg[..., C:]
         src, kv_grid = x, (H, W)
         r = m.la_sr_ratio
         if r > 1:
@@ -96,14 +103,18 @@ def direct_pola(m, x, hw):
             xo = (opp @ vo / n) / (opp.sum(1, keepdim=True) / n + eps)
             out[b, :, sl] = torch.cat([xs, xo], 1)
     # depth-wise conv on V (grid only), one kernel shared by the heads = a per-channel conv whose
-    # weight is the shared kernel tiled over the heads
-    vg = v[:, e:].transpose(1, 2)  # (B, C, n_grid)
-    if vg.shape[-1] != H * W:
-        vg = F.interpolate(vg, size=H * W, mode='linear', align_corners=False)
-    conv = F.conv2d(vg.reshape(B, C, H, W), m.dwc.weight.repeat(h, 1, 1, 1), m.dwc.bias.repeat(h),
-                    padding=m.kernel_size // 2, groups=C)
-    out[:, e:] = out[:, e:] + conv.flatten(2).transpose(1, 2)
-    out = out * g
+    # weight is the shared kernel tiled over the heads; none without it (use_dwc=False)
+    if m.use_dwc:
+        vg = v[:, e:].transpose(1, 2)  # (B, C, n_grid)
+        if vg.shape[-1] != H * W:
+            vg = F.interpolate(vg, size=H * W, mode='linear', align_corners=False)
+        conv = F.conv2d(vg.reshape(B, C, H, W), m.dwc.weight.repeat(h, 1, 1, 1),
+                        m.dwc.bias.repeat(h), padding=m.kernel_size // 2, groups=C)
+        out[:, e:] = out[:, e:] + conv.flatten(2).transpose(1, 2)
+    if g is not None:
+        out = out * g
+    elif m.gate_type == 'static':
+        out = out * m.gate
     return out @ m.proj.weight.T + m.proj.bias
 
 
@@ -126,6 +137,68 @@ def test_attention_matches_direct_formulas(layout, extra, sr, hw, core):
     assert got.dtype == torch.float64
     assert (got - want).abs().max().item() < 1e-6 * max(1., want.abs().max().item())
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize('layout,extra,sr,hw', [
+    ('qg_kv', 0, 1, (5, 7)),
+    ('qg_kv', 1, 1, (5, 7)),
+    ('qg_kv', 0, 2, (6, 7)),
+    ('qkvg', 0, 1, (5, 7)),
+    ('qkvg', 1, 1, (4, 6)),
+])
+@pytest.mark.parametrize('gate', ['none', 'dynamic'])
+@pytest.mark.parametrize('core', ['reference', 'fast'])
+def test_without_dwc_matches_direct_formulas(layout, extra, sr, hw, gate, core):
+    """``use_dwc=False``: the polarity streams without the conv term; with ``gate='none'`` the
+    paper's "polarity only" ablation, ``proj([x_s, x_o])``."""
+    torch.manual_seed(0)
+    m = PolaLinearAttention(24, 3, qkv_layout=layout, la_sr_ratio=sr, pretrain_hw=(4, 4),
+                            num_extra_tokens=extra, core=core, gate=gate, use_dwc=False)
+    assert not hasattr(m, 'dwc') and m.conv_term(torch.zeros(1, 35, 24), (5, 7)) is None
+    randomise_(m).double().eval()
+    x = torch.randn(2, extra + hw[0] * hw[1], 24, dtype=torch.float64)
+    got = m(x, hw)
+    want = direct_pola(m, x, hw)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # the conv term is really gone: a module with it differs by DWC(v) (times g)
+    with_dwc = PolaLinearAttention(24, 3, qkv_layout=layout, la_sr_ratio=sr, pretrain_hw=(4, 4),
+                                   num_extra_tokens=extra, core=core, gate=gate).double().eval()
+    missing, unexpected = with_dwc.load_state_dict(m.state_dict(), strict=False)
+    assert sorted(missing) == ['dwc.bias', 'dwc.weight'] and not unexpected
+    with torch.no_grad():
+        with_dwc.dwc.weight.normal_()
+        assert (with_dwc(x, hw) - got)[:, extra:].abs().max() > 1e-3
+
+
+#: Pola-DeiT-T backbone (no head) with gate='none', use_dwc=False, no per-block PE: counted here
+POLARITY_ONLY_DEIT_T = 5_972_352
+
+
+def test_polarity_only_parameters_and_keys():
+    """Parameter counts pinned: C = 64, h = 2 (d = 32), 7x7 pretraining grid, qg_kv layout."""
+    def count(**kw):
+        return sum(p.numel() for p in PolaLinearAttention(64, 2, pretrain_hw=(7, 7),
+                                                          **kw).parameters())
+    # q 64*64+64, kv 64*128+128, proj 64*64+64, power 2*32, scale 64, PE 49*64
+    assert count(gate='none', use_dwc=False) == 4160 + 8320 + 4160 + 64 + 64 + 3136 == 19904
+    assert count(gate='none') == 19904 + 32 * 25 + 32 == 20736  # + dwc (32, 1, 5, 5) + bias
+    assert count() == 20736 + 64 * 64 + 64 == 24896  # official: qg = Linear(C, 2C)
+    assert count(use_dwc=False) == 24896 - 832
+    m = PolaLinearAttention(64, 2, pretrain_hw=(7, 7), gate='none', use_dwc=False)
+    assert set(m.state_dict()) == {'q.weight', 'q.bias', 'kv.weight', 'kv.bias', 'proj.weight',
+                                   'proj.bias', 'power', 'scale', 'positional_encoding'}
+    assert 'use_dwc=False' in repr(m)
+    m.init_weights()  # no dwc to reset
+    # Pola-DeiT-T as in the paper's ablation row "polarity only" (Table 3, 68.1): no G, no DWC
+    net = LinAttnViT(arch='t', attn_cfg=dict(POLA_L, use_pos_enc=False, gate='none',
+                                                  use_dwc=False))
+    n = sum(p.numel() for p in net.parameters())
+    full = LinAttnViT(arch='t', attn_cfg=dict(POLA_L, use_pos_enc=False))
+    # 12 blocks of C = 192, d = 64: no g rows (192*192 + 192) and no dwc (64*25 + 64)
+    assert sum(p.numel() for p in full.parameters()) - n == 12 * (37056 + 1664)
+    assert n == POLARITY_ONLY_DEIT_T
+    with pytest.raises(TypeError, match='use_dwc must be True or False'):
+        PolaLinearAttention(8, 1, pretrain_hw=(2, 2), use_dwc='no')
 
 
 def test_one_gemm_identity_matches_reference_core():

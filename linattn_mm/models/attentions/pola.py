@@ -32,7 +32,9 @@ Differences between the paper (Sec. 4, Eq. 3-9) and the official code, and what 
    form of :func:`linattn_mm.deploy.convert` keeps the resized table). ``use_pos_enc=False`` drops
    it.
 5. **DWC**: a depth-wise ``kernel_size`` conv on ``v`` with **one** (d, 1, k, k) kernel shared by
-   all heads (official). The paper leaves the conv type open.
+   all heads (official). The paper leaves the conv type open. ``use_dwc=False`` drops the term
+   (no ``dwc`` parameters): ``x = [x_s, x_o] * g``. With ``gate='none'`` as well this is the
+   paper's "polarity only" ablation row (Table 3, DeiT-T, 68.1 top-1): ``x = proj([x_s, x_o])``.
 6. **Spatial reduction** (PVT layout only, ``la_sr_ratio > 1``): K/V come from a strided conv +
    LayerNorm (keys ``sr``, ``norm``) and ``v`` is brought back to ``H*W`` tokens for the DWC by 1-D
    linear interpolation over the flattened token index (official; the released Pola-PVT models use
@@ -85,6 +87,9 @@ class PolaLinearAttention(BaseTokenMixer):
         alpha (float): exponent range, p = 1 + alpha * sigmoid(power). Default 4 (all official
             models).
         kernel_size (int): DWC kernel on V. Default 5.
+        use_dwc (bool): add the depth-wise conv term DWC(v) (official). ``False`` drops it and its
+            ``dwc`` parameters (with ``gate='none'``: the paper's "polarity only" ablation).
+            Default True.
         la_sr_ratio (int): K/V spatial reduction of the PVT layout (official ``la_sr_ratios``;
             1 in every released model). Default 1.
         pretrain_hw (tuple[int, int]): token grid at the pretraining size (given by the
@@ -113,7 +118,7 @@ class PolaLinearAttention(BaseTokenMixer):
     def __init__(self, embed_dims, num_heads, qkv_layout='qg_kv', alpha=4., kernel_size=5,
                  la_sr_ratio=1, pretrain_hw=None, gate='dynamic', temperature=True,
                  use_pos_enc=True, core='fast', eps=1e-6, num_extra_tokens=0, qkv_bias=True,
-                 proj_drop=0., init_cfg=None):
+                 proj_drop=0., use_dwc=True, init_cfg=None):
         super().__init__(embed_dims, num_heads, num_extra_tokens, init_cfg)
         name = type(self).__name__
         if qkv_layout not in self.LAYOUTS:
@@ -133,6 +138,9 @@ class PolaLinearAttention(BaseTokenMixer):
         self.qkv_layout = qkv_layout
         self.alpha = float(alpha)
         self.kernel_size = int(kernel_size)
+        if not isinstance(use_dwc, bool):
+            raise TypeError(f'{name}: use_dwc must be True or False, got {use_dwc!r}')
+        self.use_dwc = use_dwc
         self.la_sr_ratio = la_sr_ratio
         self.sr_ratio = la_sr_ratio  # read by the PVT skeletons' minimum-input-size check
         self.gate_type = gate
@@ -157,8 +165,9 @@ class PolaLinearAttention(BaseTokenMixer):
         if la_sr_ratio > 1:
             self.sr = nn.Conv2d(C, C, kernel_size=la_sr_ratio, stride=la_sr_ratio)
             self.norm = nn.LayerNorm(C)
-        self.dwc = nn.Conv2d(d, d, kernel_size=self.kernel_size, padding=self.kernel_size // 2,
-                             groups=d)
+        if use_dwc:
+            self.dwc = nn.Conv2d(d, d, kernel_size=self.kernel_size,
+                                 padding=self.kernel_size // 2, groups=d)
         self.power = nn.Parameter(torch.zeros(1, h, 1, d))
         if self.temperature:
             self.scale = nn.Parameter(torch.zeros(1, 1, C))
@@ -191,7 +200,8 @@ class PolaLinearAttention(BaseTokenMixer):
         s = ln 2), and PyTorch's default init for ``dwc`` (the official models only re-initialise
         Linear and LayerNorm layers)."""
         super().init_weights()
-        self.dwc.reset_parameters()
+        if self.use_dwc:
+            self.dwc.reset_parameters()
         with torch.no_grad():
             self.power.zero_()
             if self.temperature:
@@ -211,7 +221,8 @@ class PolaLinearAttention(BaseTokenMixer):
 
     def extra_repr(self):
         return (f'layout={self.qkv_layout}, heads={self.num_heads}, alpha={self.alpha}, '
-                f'kernel_size={self.kernel_size}, la_sr_ratio={self.la_sr_ratio}, '
+                f'kernel_size={self.kernel_size}, use_dwc={self.use_dwc}, '
+                f'la_sr_ratio={self.la_sr_ratio}, '
                 f'gate={self.gate_type}, temperature={self.temperature}, '
                 f'pos_enc={self.pos_enc_hw}, extra_tokens={self.num_extra_tokens}, '
                 f'core={self.core}')
@@ -287,7 +298,9 @@ class PolaLinearAttention(BaseTokenMixer):
         (B, H*W, C). The kernel is applied to every head's d channels: one depth-wise conv over
         all C channels with the kernel tiled over the heads, on the channels-last view of the
         tokens. With ``la_sr_ratio > 1`` the n reduced tokens are first brought back to H*W by
-        1-D linear interpolation over the token index (official)."""
+        1-D linear interpolation over the token index (official). None with ``use_dwc=False``."""
+        if not self.use_dwc:
+            return None
         if self.num_extra_tokens:  # (a slice of all tokens would cost a copy in the backward)
             v = v[:, self.num_extra_tokens:]
         B, n, C = v.shape
@@ -331,17 +344,20 @@ class PolaLinearAttention(BaseTokenMixer):
 
     # --- forward -------------------------------------------------------------------------------
     def forward(self, x, hw_shape):
-        """``proj(([x_s, x_o] + DWC(v)) * g)`` (see the module docstring)."""
+        """``proj(([x_s, x_o] + DWC(v)) * g)``, without ``DWC(v)`` when ``use_dwc=False`` (see
+        the module docstring)."""
         self.check_input(x, hw_shape)
         hw_shape = tuple(hw_shape)
         q, k, v, g, kv_hw = self._project(x, hw_shape)
         out = self.attend(q, k, v, self.k_bias(kv_hw))
         e = self.num_extra_tokens
-        conv = self.conv_term(v, hw_shape).to(out.dtype)
-        if e:  # class tokens take no conv term
-            out = torch.cat([out[:, :e], out[:, e:] + conv], dim=1)
+        conv = self.conv_term(v, hw_shape)
+        if conv is None:  # use_dwc=False: the polarity streams alone
+            pass
+        elif e:  # class tokens take no conv term
+            out = torch.cat([out[:, :e], out[:, e:] + conv.to(out.dtype)], dim=1)
         else:
-            out = out + conv
+            out = out + conv.to(out.dtype)
         if g is not None and self.core != 'reference':  # keeps out and g, not their product
             return self.proj_drop(GatedLinear.apply(out, g, self.proj.weight, self.proj.bias))
         if g is not None:

@@ -36,7 +36,8 @@ def polarity_layer_chunked(x, w_q, b_q, w_kv, b_kv, w_g, b_g, w_proj, b_proj, p,
        ``k+^T v``, ``k-^T v``, ``sum k+``, ``sum k-`` accumulated over the chunks; ``v`` is kept
        for the depth-wise conv term.
     2. queries: ``q``, ``g`` projections, features, ``q+ W+ + q- W-``, normalisation, ``+
-       conv_term(v)``, ``* g`` and the output projection, written into the result.
+       conv_term(v)`` (unless ``conv_term`` is None), ``* g`` and the output projection, written
+       into the result.
 
     Same operations as :func:`~linattn_mm.ops.pola.fast.polarity_attention_fast` up to the order of
     the sums over tokens.
@@ -51,7 +52,8 @@ def polarity_layer_chunked(x, w_q, b_q, w_kv, b_kv, w_g, b_g, w_proj, b_proj, p,
         pe (Tensor | None): position encoding added to k, (N, C).
         eps (float): added to the mean-normalised denominators.
         num_heads (int): heads h; the head dim ``C / h`` must be even.
-        conv_term (callable): ``v`` (B, N, C) -> the depth-wise conv term (B, N, C).
+        conv_term (callable | None): ``v`` (B, N, C) -> the depth-wise conv term (B, N, C);
+            None: no conv term (PolaFormer without its DWC, ``use_dwc=False``).
         rows (int, optional): tokens per chunk, default :data:`LAYER_CHUNK_ROWS` or, when that is
             None, :data:`LAYER_CHUNK_ELEMENTS` ``// C``.
 
@@ -84,7 +86,7 @@ def polarity_layer_chunked(x, w_q, b_q, w_kv, b_kv, w_g, b_g, w_proj, b_proj, p,
             ksp.add_(kp.sum(0))
             ksn.add_(kn.sum(0))
         _query_weights(kvp, kvn, ksp.view(h, d, 1), ksn.view(h, d, 1), N, w_pos[b], w_neg[b])
-    conv = conv_term(v)
+    conv = None if conv_term is None else conv_term(v)
     del v
     # pass 2: queries, output
     out = new(B, N, C)
@@ -98,6 +100,7 @@ def polarity_layer_chunked(x, w_q, b_q, w_kv, b_kv, w_g, b_g, w_proj, b_proj, p,
             r = torch.bmm(qp.view(m, h, d).transpose(0, 1), w_pos[b], out=r_buf[:, :m])
             torch.baddbmm(r, qn.view(m, h, d).transpose(0, 1), w_neg[b], out=r)
             _normalise_into(r, eps, o_buf[:m].view(m, h, d).transpose(0, 1))
-            o = o_buf[:m].add_(conv[b, s:s + m]).mul_(linear_into(xs, w_g, b_g, g_buf[:m]))
+            o = o_buf[:m] if conv is None else o_buf[:m].add_(conv[b, s:s + m])
+            o.mul_(linear_into(xs, w_g, b_g, g_buf[:m]))
             linear_into(o, w_proj, b_proj, out[b, s:s + m])
     return out
