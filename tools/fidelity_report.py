@@ -4,7 +4,8 @@ the paper's parameters, FLOPs and accuracy.
     python tools/fidelity_report.py [--out docs/fidelity.md] [--only NAME ...] [--json F]
 
 For each row the classifier of ``configs/<family>/<name>.py`` is built (mmpretrain, 1000-class head
-included) and measured: parameters, and multiply-accumulates at the paper's resolution (224²) with
+included) and measured: parameters, and multiply-accumulates at the paper's resolution (224², or
+the row's entry in ``ROW_RESOLUTION``) with
 :func:`linattn_mm.flops.count_macs`, which counts the attention matmuls ("FLOPs" in the papers are
 MACs). A row is flagged when parameters differ by more than 3% or FLOPs by more than 5%; every
 flagged row must carry a documented reason (a known paper typo or rounding, or a choice the paper
@@ -70,6 +71,12 @@ ROWS = [
      'no official code (paper only); the K/V resolution is not stated. Full-resolution K/V '
      'matches the paper\'s parameters (12.93M vs 13M) at 2.44G; spatially reduced K/V '
      '(la_sr_ratios 8/4/2/1) gives 2.28G but 14.80M: no reading matches both'),
+    ('pola-swin-s-384_in1k', 'PolaFormer', 50, 25.5, 84.7,
+     'fine-tuned at 384² (counted at 384²). Params: the position encodings sized for the 384 grid '
+     '(96x96 / 48x48, the convention of the official Swin-B-384 config) add 1.75M; the paper '
+     'prints the 224 row\'s 50M (with the 224 tables resized in every forward the model would '
+     'have 50.70M). MACs: this counter already gives Pola-Swin-S 8.91 at 224 against the paper\'s '
+     '8.7 (the official classes count the same); no official Swin-S-384 config exists to count'),
     ('pola-deit-t_in1k', 'PolaFormer', 6.1, 1.2, 74.6,
      'not in the official repository (paper only); parameters match (+1.4%). The paper\'s 1.2G '
      'is below softmax DeiT-T (1.25G counted here, 1.3G published) although Pola adds a gate '
@@ -106,6 +113,12 @@ ROWS = [
 ]
 
 
+#: rows counted at another square input side than 224 (the paper's resolution for that row)
+ROW_RESOLUTION = {
+    'pola-swin-s-384_in1k': 384,
+}
+
+
 def find_config(name):
     for fam in sorted(os.listdir(osp.join(REPO, 'configs'))):
         path = osp.join(REPO, 'configs', fam, name + '.py')
@@ -128,17 +141,19 @@ def build_rows(only=None, log=print):
             log(f'[{i}/{len(todo)}] {name}: no config')
             continue
         t0 = time.time()
-        counted = config_macs(config, (224, 224))  # the classifier, 1000-class head included
+        side = ROW_RESOLUTION.get(name, 224)
+        counted = config_macs(config, (side, side))  # the classifier, 1000-class head included
         params, macs = counted['params'], counted['macs']
         d_p, d_f = rel(params / 1e6, p_m), rel(macs / 1e9, p_g)
         flagged = (d_p is not None and abs(d_p) > PARAM_TOL) or \
             (d_f is not None and abs(d_f) > FLOP_TOL)
         rows.append(dict(name=name, paper=paper, config=osp.relpath(config, REPO),
-                         params_m=params / 1e6, gmacs=macs / 1e9, paper_params_m=p_m,
+                         resolution=side, params_m=params / 1e6, gmacs=macs / 1e9,
+                         paper_params_m=p_m,
                          paper_gflops=p_g, paper_top1=top1, d_params=d_p, d_flops=d_f,
                          flagged=flagged, reason=reason if flagged else None,
                          unexplained=flagged and not reason))
-        log(f'[{i}/{len(todo)}] {name}: {params / 1e6:.2f}M, {macs / 1e9:.2f} GMACs '
+        log(f'[{i}/{len(todo)}] {name}: {params / 1e6:.2f}M, {macs / 1e9:.2f} GMACs at {side}² '
             f'({time.time() - t0:.1f} s)')
     return rows
 
@@ -159,6 +174,7 @@ def render(rows, command):
         '',
         'Every ImageNet variant with a paper table row, built from its config (classifier with '
         'the 1000-class head) and measured here: parameters, and multiply-accumulates at 224² '
+        '(another resolution where stated below) '
         'counted with `linattn_mm.flops.count_macs`, which sees every attention matmul ("FLOPs" '
         'in the papers are MACs). The accuracy column is the paper\'s; no ImageNet training is '
         f'possible in this project. Flagged (⚑): parameters off by more than {PARAM_TOL:.0%} '
@@ -182,6 +198,10 @@ def render(rows, command):
             f"{_num(r['paper_params_m'], 'g')} | {_pct(r['d_params'])} | {r['gmacs']:.2f} / "
             f"{_num(r['paper_gflops'], 'g')} | {_pct(r['d_flops'])} | "
             f"{_num(r['paper_top1'], 'g')} | {flag} |")
+    other = [r for r in rows if not r.get('missing') and r['resolution'] != 224]
+    if other:
+        lines += ['', 'Counted at another resolution (the paper\'s for that row): ' + ', '.join(
+            f"`{r['name']}` at {r['resolution']}²" for r in other) + '.']
     if notes:
         lines += ['', '## Reasons for flagged rows', '']
         for i, r in enumerate(notes, 1):

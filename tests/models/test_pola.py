@@ -170,8 +170,9 @@ def test_without_dwc_matches_direct_formulas(layout, extra, sr, hw, gate, core):
         assert (with_dwc(x, hw) - got)[:, extra:].abs().max() > 1e-3
 
 
-#: Pola-DeiT-T backbone (no head) with gate='none', use_dwc=False, no per-block PE: counted here
-POLARITY_ONLY_DEIT_T = 5_972_352
+#: Pola-DeiT-T backbone (class-token output, no head) with gate='none', use_dwc=False, no per-block
+#: PE: counted here
+POLARITY_ONLY_DEIT_T = 5_529_024
 
 
 def test_polarity_only_parameters_and_keys():
@@ -190,10 +191,10 @@ def test_polarity_only_parameters_and_keys():
     assert 'use_dwc=False' in repr(m)
     m.init_weights()  # no dwc to reset
     # Pola-DeiT-T as in the paper's ablation row "polarity only" (Table 3, 68.1): no G, no DWC
-    net = LinAttnViT(arch='t', attn_cfg=dict(POLA_L, use_pos_enc=False, gate='none',
-                                                  use_dwc=False))
+    net = LinAttnViT(arch='t', out_type='cls_token',
+                     attn_cfg=dict(POLA_L, use_pos_enc=False, gate='none', use_dwc=False))
     n = sum(p.numel() for p in net.parameters())
-    full = LinAttnViT(arch='t', attn_cfg=dict(POLA_L, use_pos_enc=False))
+    full = LinAttnViT(arch='t', out_type='cls_token', attn_cfg=dict(POLA_L, use_pos_enc=False))
     # 12 blocks of C = 192, d = 64: no g rows (192*192 + 192) and no dwc (64*25 + 64)
     assert sum(p.numel() for p in full.parameters()) - n == 12 * (37056 + 1664)
     assert n == POLARITY_ONLY_DEIT_T
@@ -598,3 +599,44 @@ def test_backbone_no_overflow_under_autocast(dtype):
     for name, p in m.named_parameters():
         if p.grad is not None:
             assert torch.isfinite(p.grad).all(), name
+
+
+# ------------------------------------------------------------------------------------------------
+# Pola-Swin-S fine-tuned at 384² (paper Table 5, last row)
+# ------------------------------------------------------------------------------------------------
+#: classifier of configs/polaformer/pola-swin-s-384_in1k.py, 1000-class head included: counted here
+POLA_SWIN_S_384_PARAMS = 52_449_680
+
+
+def test_pola_swin_s_384_config(tmp_path):
+    from linattn_mm.apis import build_model, get_config
+    cfg = get_config('configs/polaformer/pola-swin-s-384_in1k.py')
+    b = cfg.model.backbone
+    assert b.pretrain_img_size == 384 and b.arch == 's'
+    model = build_model(cfg, pretrained_backbone=False)
+    assert sum(p.numel() for p in model.parameters()) == POLA_SWIN_S_384_PARAMS
+    net = model.backbone
+    sd = net.state_dict()
+    # position encodings sized for the 384 grid (96x96, 48x48), as the official Swin-B-384
+    assert sd['layers.0.blocks.0.attn.positional_encoding'].shape == (1, 96 * 96, 96)
+    assert sd['layers.1.blocks.1.attn.positional_encoding'].shape == (1, 48 * 48, 192)
+    # window-12 softmax in stages 3-4: (2*12-1)^2 relative positions; the 12x12 stage 4 unshifted
+    assert sd['layers.2.blocks.0.attn.relative_position_bias_table'].shape == (23 * 23, 12)
+    assert sd['layers.3.blocks.1.attn.relative_position_bias_table'].shape == (23 * 23, 24)
+    assert [blk.attn.shift_size for blk in net.layers[2].blocks[:2]] == [0, 6]
+    assert all(blk.attn.shift_size == 0 for blk in net.layers[3].blocks)
+    # the same model as the 224 one but for the size-dependent tables: 1.75M more position rows
+    # (2 blocks x (9216 - 3136) x 96 + 2 blocks x (2304 - 784) x 192) and 529 - 169 more relative
+    # positions per head (18 blocks x 12 heads + 2 blocks x 24 heads)
+    s224 = build_model(get_config('configs/polaformer/pola-swin-s_in1k.py'),
+                       pretrained_backbone=False)
+    diff = POLA_SWIN_S_384_PARAMS - sum(p.numel() for p in s224.parameters())
+    assert diff == 2 * 6080 * 96 + 2 * 1520 * 192 + (529 - 169) * (18 * 12 + 2 * 24)
+    # a 224 backbone file loads into the 384 model, position and bias tables resized
+    torch.save({'model': s224.backbone.state_dict()}, tmp_path / 'w.pth')
+    net.init_cfg = dict(type='Pretrained', checkpoint=str(tmp_path / 'w.pth'))
+    net.init_weights()
+    report = net.pretrained_load_report
+    assert 'layers.0.blocks.0.attn.positional_encoding' in report.resized
+    assert 'layers.2.blocks.0.attn.relative_position_bias_table' in report.resized
+    assert not report.missing
