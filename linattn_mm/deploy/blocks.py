@@ -151,13 +151,15 @@ class NaLaBlockCPU(InferenceForm, NaLaBlock):
 
     def forward(self, x, rope=None):
         self.check_inference(x)
-        x = _conv(self.cpe1, x).add_(x)
+        if self.cpe1 is not None:
+            x = _conv(self.cpe1, x).add_(x)
         hw = tuple(x.shape[-2:])
         t = nchw_to_nlc(self.norm1.forward(x))  # module forwards without hooks: updated in place
         t = self.attn.forward(t, hw, rope=rope) if self.takes_rope else self.attn.forward(t, hw)
         a = nlc_to_nchw(t, hw)
         x = (a.mul_(self.gamma_1) if self.layer_scale else a).add_(x)
-        x = _conv(self.cpe2, x).add_(x)
+        if self.cpe2 is not None:
+            x = _conv(self.cpe2, x).add_(x)
         if not channels_last_map(x):
             raise RuntimeError(f'{type(self).__name__}: the banded ConvFFN updates a channels-last '
                                f'map in place; run the block inside a converted NaLaFormer')

@@ -102,6 +102,8 @@ class NormAwareLinearAttentionCPU(InferenceForm, NormAwareLinearAttention):
     def unsupported(cls, module):
         if module.kernel != 'official':
             return f"the chunked layer runs the official kernel (kernel='{module.kernel}')"
+        if module.query_power is not None or module.lepe is None:
+            return 'the chunked layer runs the norm-aware power with LePE'
         if type(module.act) is not nn.SiLU:
             return 'the chunked layer needs the SiLU gate'
         return None
@@ -199,4 +201,6 @@ class NormAwareLinearAttentionTriton(_TritonCore, NormAwareLinearAttention):
     def unsupported(cls, module):
         if module.kernel != 'official':
             return f"the Triton core runs the official kernel (kernel='{module.kernel}')"
+        if module.query_power is not None:
+            return 'the Triton core runs the norm-aware power'
         return None

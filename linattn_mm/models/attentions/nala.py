@@ -30,10 +30,16 @@ Paper vs. official code, and what this module does:
    the cos/sin kernel (same parameters, different function: weights are not interchangeable).
 2. **RoPE.** The code rotates the numerator features with a 2-D RoPE (RMT/MLLA style, ``d``
    divisible by 4) and keeps the denominator unrotated; the paper has no RoPE (it names CPE as
-   position encoding). Default ``use_rope=True``.
-3. **Block extras.** LePE (5x5 depth-wise conv on ``v``), LayerNorm then SiLU gate (the paper's
-   "simplified GLA" block) and the output projection are in both.
-4. **Zero-norm query.** The code divides by ``||q||`` without an epsilon (NaN for ``q = 0``); here
+   position encoding). Default ``use_rope=True``; ``use_rope=False`` drops it.
+3. **Block extras.** LayerNorm then SiLU gate (the paper's "simplified GLA" block, Fig. 2a) and the
+   output projection are in both. LePE (5x5 depth-wise conv on ``v``, added before the LayerNorm)
+   is in the code only: default ``use_lepe=True``; ``use_lepe=False`` drops it (no ``lepe``
+   parameters).
+4. **Query power.** Both use the norm-aware ``p = lam * (0.5 + tanh(||q||))`` (Eq. 8). The paper's
+   Table 5 ablation rows 1-2 use a constant power instead: ``query_power=c`` gives ``p = c`` for
+   every token (``d(q)`` has unit norm, so the query norm cancels again, as in plain linear
+   attention). Default ``query_power=None`` (norm-aware).
+5. **Zero-norm query.** The code divides by ``||q||`` without an epsilon (NaN for ``q = 0``); here
    the divisor is clamped at ``1e-12`` (``d(0) = 0``: the token's output is its LePE/gate term).
 
 Kernels: the core (feature maps, RoPE, normaliser, the two small GEMMs) runs through
@@ -41,7 +47,12 @@ Kernels: the core (feature maps, RoPE, normaliser, the two small GEMMs) runs thr
 of the official kernel with the training Function of :mod:`linattn_mm.ops.nala.autograd`; the
 default, for both kernels), ``'reference'`` (plain autograd of the official order of operations and
 of the paper's kernel, :mod:`linattn_mm.ops.nala.reference`) or ``'triton'`` (CUDA inference).
-The inference forms of the whole layer come from :func:`linattn_mm.deploy.convert`.
+The inference forms of the whole layer come from :func:`linattn_mm.deploy.convert` (for the official
+kernel with LePE and the norm-aware power; other settings keep the training form).
+
+The paper's own form of the mixer, ``kernel='paper', use_rope=False, use_lepe=False``, is::
+
+    out = out_proj(LN(phi_q (phi_k^T v) / N / (phi_q . mean_j(phi_k) + eps)) * SiLU(g))
 
 Precision: everything between the ``qkvg`` projection and ``out_proj`` (LePE, kernel, matmuls,
 LayerNorm and gate) runs in float32 with autocast disabled, as the official code (``k^3`` and the
@@ -108,12 +119,14 @@ class NaLaMixerBase(BaseTokenMixer):
     supports_extra_tokens = False
 
     def _build_common(self, embed_dims, qkv_bias, lepe_kernel_size, proj_drop, use_rope,
-                      rope_base):
+                      rope_base, use_lepe=True):
         if lepe_kernel_size % 2 != 1:
             raise ValueError(f'lepe_kernel_size must be odd, got {lepe_kernel_size}')
         self.qkvg = nn.Linear(embed_dims, embed_dims * 4, bias=qkv_bias)
+        self.use_lepe = bool(use_lepe)
+        # without LePE there is no `lepe` module (and no `lepe.*` state-dict keys)
         self.lepe = nn.Conv2d(embed_dims, embed_dims, lepe_kernel_size, 1, lepe_kernel_size // 2,
-                              groups=embed_dims)
+                              groups=embed_dims) if self.use_lepe else None
         self.act = nn.SiLU()
         self.ln = nn.LayerNorm(embed_dims)
         self.out_proj = nn.Linear(embed_dims, embed_dims)
@@ -130,22 +143,30 @@ class NaLaMixerBase(BaseTokenMixer):
         if self.init_cfg is not None:
             super().init_weights()
             return
-        nn.init.trunc_normal_(self.lepe.weight, std=.02)
-        if self.lepe.bias is not None:
-            nn.init.zeros_(self.lepe.bias)
+        if self.lepe is not None:
+            nn.init.trunc_normal_(self.lepe.weight, std=.02)
+            if self.lepe.bias is not None:
+                nn.init.zeros_(self.lepe.bias)
         nn.init.ones_(self.ln.weight)
         nn.init.zeros_(self.ln.bias)
 
     def _project(self, x, hw_shape):
-        """Tokens -> q, k, v (B, h, N, d), g (B, N, C) and LePE(v) (B, N, C) in the core dtype
-        (float32; float64 stays), the LePE conv with autocast off."""
+        """Tokens -> q, k, v (B, h, N, d), g (B, N, C) and LePE(v) (B, N, C; None without LePE) in
+        the core dtype (float32; float64 stays), the LePE conv with autocast off."""
         B, N, C = x.shape
         h, d = self.num_heads, self.head_dims
         if self.core != 'reference':  # its backward does not stack the chunks' gradients
             q, k, v, g = (t.to(core_dtype(x)) for t in split_linear(x, self.qkvg, 4))
         else:
             q, k, v, g = self.qkvg(x).to(core_dtype(x)).view(B, N, 4, C).unbind(2)
-        with no_autocast(x.device):
+        lepe = None if self.lepe is None else self._lepe(v, hw_shape, x.device)
+        q, k, v = (t.reshape(B, N, h, d).transpose(1, 2) for t in (q, k, v))
+        return q, k, v, g, lepe
+
+    def _lepe(self, v, hw_shape, device):
+        """The LePE term of the (B, N, C) values, the conv with autocast off."""
+        C = v.shape[-1]
+        with no_autocast(device):
             w = self.lepe.weight.to(v.dtype)
             b = None if self.lepe.bias is None else self.lepe.bias.to(v.dtype)
             if self.core != 'reference':
@@ -153,8 +174,7 @@ class NaLaMixerBase(BaseTokenMixer):
             else:
                 lepe = nchw_to_nlc(F.conv2d(nlc_to_nchw(v, hw_shape), w, b, 1,
                                             self.lepe.padding, 1, C))
-        q, k, v = (t.reshape(B, N, h, d).transpose(1, 2) for t in (q, k, v))
-        return q, k, v, g, lepe
+        return lepe
 
     def _rope(self, hw_shape, rope, dtype, device):
         """``(sin, cos)`` of the RoPE (the stage's shared one, or this mixer's own), or Nones."""
@@ -166,12 +186,15 @@ class NaLaMixerBase(BaseTokenMixer):
         return sin.to(device=device, dtype=dtype), cos.to(device=device, dtype=dtype)
 
     def gated_output(self, out, lepe, g):
-        """``out_proj(LN(out + lepe) * SiLU(g))`` of the (B, h, N, d) core output: LN and gate in
+        """``out_proj(LN(out + lepe) * SiLU(g))`` (``lepe`` None: ``out_proj(LN(out) * SiLU(g))``) of
+        the (B, h, N, d) core output: LN and gate in
         the core dtype with autocast off, ``out_proj`` under the caller's autocast. With
         ``core='reference'`` step by step; otherwise :class:`~linattn_mm.ops.lean_layers.
         NormGatedLinear`, which keeps ``out + lepe`` and ``g`` only for backward."""
         B, h, N, d = out.shape
-        s = out.transpose(1, 2).reshape(B, N, h * d) + lepe
+        s = out.transpose(1, 2).reshape(B, N, h * d)
+        if lepe is not None:
+            s = s + lepe
         ln = self.ln
         if self.core != 'reference' and type(self.act) is nn.SiLU:
             if not torch.is_autocast_enabled(s.device.type):
@@ -205,8 +228,14 @@ class NormAwareLinearAttention(NaLaMixerBase):
             code) or ``'paper'`` (``|d(x)|^p * [cos f(d(x)); sin f(d(x))]`` with
             ``f = pi/4 * tanh``, Eq. 16 and App. A.2). Defaults to ``'official'``.
         power (float): ``lam``, the key power and the scale of the query power. Defaults to 3.
-        use_rope (bool): 2-D RoPE on the numerator features (official). Defaults to True.
+        query_power (float, optional): a constant query power ``p`` instead of the norm-aware
+            ``lam * (0.5 + tanh(||q||))`` (the paper's Table 5 ablation rows 1-2). None: the
+            norm-aware power (paper and code). Defaults to None.
+        use_rope (bool): 2-D RoPE on the numerator features (official; not in the paper).
+            Defaults to True.
         rope_base (float): RoPE frequency base. Defaults to 10000.
+        use_lepe (bool): the LePE term (official; not in the paper). False builds no ``lepe``
+            conv. Defaults to True.
         lepe_kernel_size (int): kernel of the depth-wise LePE conv on ``v``. Defaults to 5.
         eps (float): added to the denominator. Defaults to 1e-6.
         qkv_bias (bool): bias of the ``qkvg`` projection. Defaults to True.
@@ -225,32 +254,43 @@ class NormAwareLinearAttention(NaLaMixerBase):
 
     def __init__(self, embed_dims, num_heads, kernel='official', power=3., use_rope=True,
                  rope_base=10000., lepe_kernel_size=5, eps=1e-6, qkv_bias=True, proj_drop=0.,
-                 core='fast', init_cfg=None):
+                 core='fast', query_power=None, use_lepe=True, init_cfg=None):
         super().__init__(embed_dims, num_heads, 0, init_cfg)
         name = type(self).__name__
         if kernel not in KERNELS:
             raise ValueError(f'{name}: kernel must be one of {KERNELS}, got {kernel!r}')
         if power <= 0:
             raise ValueError(f'{name}: power must be positive, got {power}')
+        if query_power is not None:
+            if isinstance(query_power, bool) or not isinstance(query_power, (int, float)) \
+                    or not query_power > 0:
+                raise ValueError(f'{name}: query_power must be None (the norm-aware power) or a '
+                                 f'positive number, got {query_power!r}')
+            query_power = float(query_power)
         self.core = check_core(name, core)
         if kernel != 'official' and core == 'triton':
             raise ValueError(f"{name}: kernel={kernel!r} has no Triton core")
+        if query_power is not None and core == 'triton':
+            raise ValueError(f'{name}: a constant query_power has no Triton core')
         self.kernel = kernel
         self.power = float(power)
+        self.query_power = query_power
         self.eps = float(eps)
-        self._build_common(embed_dims, qkv_bias, lepe_kernel_size, proj_drop, use_rope, rope_base)
+        self._build_common(embed_dims, qkv_bias, lepe_kernel_size, proj_drop, use_rope, rope_base,
+                           use_lepe)
 
     def feature_maps(self, q, k):
         """Non-negative feature maps ``(phi_q, phi_k)``, each ``(..., N, 2d)``, of per-head
         ``q``, ``k`` ``(..., N, d)`` (:func:`linattn_mm.ops.nala.nala_feature_maps`)."""
-        return nala_feature_maps(q, k, self.power, self.kernel)
+        return nala_feature_maps(q, k, self.power, self.kernel, self.query_power)
 
     def forward(self, x, hw_shape, rope=None):
         self.check_input(x, hw_shape)
         q, k, v, g, lepe = self._project(x, hw_shape)
         sin, cos = self._rope(hw_shape, rope, q.dtype, q.device)
         with no_autocast(x.device):
-            out = nala_attention(q, k, v, self.power, self.eps, sin, cos, self.kernel, self.core)
+            out = nala_attention(q, k, v, self.power, self.eps, sin, cos, self.kernel, self.core,
+                                 self.query_power)
         return self.gated_output(out, lepe, g)
 
     has_attention_weights = True
@@ -263,12 +303,14 @@ class NormAwareLinearAttention(NaLaMixerBase):
         q, k, _, _, _ = self._project(x, hw_shape)
         sin, cos = self._rope(hw_shape, rope, q.dtype, q.device)
         with no_autocast(x.device):
-            weights = nala_weights_reference(q, k, self.power, self.eps, sin, cos, self.kernel)
+            weights = nala_weights_reference(q, k, self.power, self.eps, sin, cos, self.kernel,
+                                             self.query_power)
         return dict(weights=weights, key_hw=tuple(hw_shape))
 
     def extra_repr(self):
         return (f'embed_dims={self.embed_dims}, num_heads={self.num_heads}, kernel={self.kernel}, '
-                f'power={self.power}, use_rope={self.use_rope}, core={self.core}')
+                f'power={self.power}, query_power={self.query_power}, use_rope={self.use_rope}, '
+                f'use_lepe={self.use_lepe}, core={self.core}')
 
 
 @ATTENTIONS.register_module()
@@ -286,6 +328,7 @@ class NaLaSoftmaxAttention(NaLaMixerBase):
         num_heads (int): heads ``h``.
         use_rope (bool): 2-D RoPE on ``q`` and ``k``. Defaults to True.
         rope_base (float): RoPE frequency base. Defaults to 10000.
+        use_lepe (bool): the LePE term; False builds no ``lepe`` conv. Defaults to True.
         lepe_kernel_size (int): kernel of the depth-wise LePE conv on ``v``. Defaults to 5.
         qk_scale (float, optional): logit scale; defaults to ``head_dims ** -0.5``.
         attn_drop (float): dropout on the attention weights (training only). Defaults to 0.
@@ -299,12 +342,13 @@ class NaLaSoftmaxAttention(NaLaMixerBase):
 
     def __init__(self, embed_dims, num_heads, use_rope=True, rope_base=10000., lepe_kernel_size=5,
                  qk_scale=None, attn_drop=0., qkv_bias=True, proj_drop=0., core='fast',
-                 init_cfg=None):
+                 use_lepe=True, init_cfg=None):
         super().__init__(embed_dims, num_heads, 0, init_cfg)
         self.core = check_core(type(self).__name__, core, ('fast', 'reference'))
         self.scale = qk_scale or self.head_dims ** -0.5
         self.attn_drop = attn_drop
-        self._build_common(embed_dims, qkv_bias, lepe_kernel_size, proj_drop, use_rope, rope_base)
+        self._build_common(embed_dims, qkv_bias, lepe_kernel_size, proj_drop, use_rope, rope_base,
+                           use_lepe)
 
     def _rotate(self, q, k, hw_shape, rope):
         """q and k rotated by the 2-D RoPE (unchanged without it)."""

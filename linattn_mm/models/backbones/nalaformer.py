@@ -85,6 +85,16 @@ class ConvFFN(nn.Module):
         return self.drop(self.fc2(x.permute(0, 2, 3, 1))).permute(0, 3, 1, 2)
 
 
+def _cpe_pair(name, use_cpe):
+    """``use_cpe`` (a bool, or a pair of bools for ``cpe1`` / ``cpe2``) as a pair of bools."""
+    pair = (use_cpe, use_cpe) if isinstance(use_cpe, bool) else tuple(use_cpe) \
+        if isinstance(use_cpe, (tuple, list)) else None
+    if pair is None or len(pair) != 2 or not all(isinstance(b, bool) for b in pair):
+        raise ValueError(f'{name}: use_cpe must be a bool or a pair of bools (cpe1, cpe2), got '
+                         f'{use_cpe!r}')
+    return pair
+
+
 class NaLaBlock(nn.Module):
     """One NaLaFormer block on an NCHW map::
 
@@ -92,6 +102,10 @@ class NaLaBlock(nn.Module):
         x = x + drop_path(gamma_1 * attn(norm1(x)))
         x = x + cpe2(x)
         x = x + drop_path(gamma_2 * ffn(norm2(x)))
+
+    The two CPE convs are the official code's; the paper names CPE as its position encoding
+    (App. A.2) without saying where or how many. ``use_cpe`` turns them off (both, or one of the
+    pair): a CPE turned off is no module and no parameters (its step is ``x = x``).
 
     Args:
         embed_dims (int): channels.
@@ -105,6 +119,8 @@ class NaLaBlock(nn.Module):
             ``None`` or 0 disables LayerScale.
         drop_rate (float): dropout in the FFN and after the attention projection.
         block_idx (int), stage_idx (int): position (passed to the attention builder).
+        use_cpe (bool | tuple[bool, bool]): build ``cpe1`` / ``cpe2`` (one bool for both).
+            Defaults to True (official).
 
     The ConvFFN half runs as :func:`linattn_mm.ops.ffn.conv_ffn_branch` (``ffn_core='fast'``
     without dropout): the same values and gradients, with only the map, its LayerNorm statistics
@@ -112,15 +128,19 @@ class NaLaBlock(nn.Module):
     """
 
     def __init__(self, embed_dims, num_heads, attn_cfg, mlp_ratio=4., drop_path=0.,
-                 layer_scale_init_value=1., drop_rate=0., block_idx=0, stage_idx=0):
+                 layer_scale_init_value=1., drop_rate=0., block_idx=0, stage_idx=0,
+                 use_cpe=True):
         super().__init__()
-        self.cpe1 = nn.Conv2d(embed_dims, embed_dims, 3, 1, 1, groups=embed_dims)
+        cpe1, cpe2 = _cpe_pair(type(self).__name__, use_cpe)
+        self.cpe1 = nn.Conv2d(embed_dims, embed_dims, 3, 1, 1, groups=embed_dims) \
+            if cpe1 else None
         self.norm1 = LayerNorm2d(embed_dims)
         self.attn = build_attention(attn_cfg, embed_dims=embed_dims, num_heads=num_heads,
                                     proj_drop=drop_rate, block_idx=block_idx,
                                     stage_idx=stage_idx)
         self.drop_path = DropPath(drop_path)
-        self.cpe2 = nn.Conv2d(embed_dims, embed_dims, 3, 1, 1, groups=embed_dims)
+        self.cpe2 = nn.Conv2d(embed_dims, embed_dims, 3, 1, 1, groups=embed_dims) \
+            if cpe2 else None
         self.norm2 = LayerNorm2d(embed_dims)
         self.ffn = ConvFFN(embed_dims, int(mlp_ratio * embed_dims), drop_rate)
         self.layer_scale = bool(layer_scale_init_value)
@@ -151,10 +171,12 @@ class NaLaBlock(nn.Module):
         return self.ffn(self.norm2(x))
 
     def forward(self, x, rope=None):
-        x = x + self.cpe1(x)
+        if self.cpe1 is not None:
+            x = x + self.cpe1(x)
         a = self._mix(x, rope)
         x = x + self.drop_path(self.gamma_1 * a if self.layer_scale else a)
-        x = x + self.cpe2(x)
+        if self.cpe2 is not None:
+            x = x + self.cpe2(x)
         f = self.ffn_branch(x)
         return x + self.drop_path(self.gamma_2 * f if self.layer_scale else f)
 
@@ -164,11 +186,13 @@ class NaLaStage(nn.Module):
     it), then optional downsampling. ``forward`` returns ``(stage output, downsampled output)``."""
 
     def __init__(self, depth, embed_dims, num_heads, attn_cfg, dpr, mlp_ratio,
-                 layer_scale_init_value, drop_rate, out_dims, norm_cfg, stage_idx, with_cp):
+                 layer_scale_init_value, drop_rate, out_dims, norm_cfg, stage_idx, with_cp,
+                 use_cpe=True):
         super().__init__()
         self.blocks = nn.ModuleList([
             NaLaBlock(embed_dims, num_heads, attn_cfg, mlp_ratio, dpr[j], layer_scale_init_value,
-                      drop_rate, block_idx=j, stage_idx=stage_idx) for j in range(depth)])
+                      drop_rate, block_idx=j, stage_idx=stage_idx, use_cpe=use_cpe)
+            for j in range(depth)])
         uses_rope = any(b.takes_rope and b.attn.use_rope for b in self.blocks)
         self.RoPE = RoPE2d(embed_dims // num_heads, persistent=True) if uses_rope else None
         self.downsample = ConvPatchMerging(embed_dims, out_dims, norm_cfg) if out_dims else None
@@ -228,6 +252,10 @@ class NaLaFormer(LinAttnBackbone):
         norm_cfg (dict): BatchNorm of the stem, the patch merging layers and the classifier
             (``BN`` or ``SyncBN``). Defaults to ``dict(type='BN')``.
         with_cp (bool): gradient checkpointing per block. Defaults to False.
+        use_cpe (bool | tuple[bool, bool]): build the two CPE depth-wise convs of every block
+            (``cpe1`` before the attention, ``cpe2`` before the FFN; a pair turns them on or off
+            one by one). They are the official code's; the paper names CPE as its position
+            encoding without details. Defaults to True.
         frozen_stages (int): freeze the stem and the first ``frozen_stages`` stages (with their
             downsampling and output norms); -1 freezes nothing. Defaults to -1.
         norm_eval (bool): keep the BatchNorm layers in eval mode while training. Defaults to False.
@@ -235,6 +263,10 @@ class NaLaFormer(LinAttnBackbone):
         init_cfg (dict, optional): ``dict(type='Pretrained', checkpoint=...)`` loads official
             NaLaFormer files (``model_ema`` preferred over ``model``), mmpretrain files or raw state
             dicts. Without a classifier, the official ``proj``/``norm``/``head`` keys are dropped.
+
+    The paper's own form (no RoPE, no LePE; its cos/sin kernel; all-linear): ``attn_cfg=dict(
+    type='NormAwareLinearAttention', kernel='paper', use_rope=False, use_lepe=False)`` and, to drop
+    the code's CPE convs as well, ``use_cpe=False``; see :mod:`linattn_mm.models.attentions.nala`.
 
     Default init (no checkpoint) is the official one: convs truncated normal (std 0.02, zero bias),
     LayerNorm/BatchNorm ones and zeros, linear layers PyTorch's default.
@@ -256,7 +288,7 @@ class NaLaFormer(LinAttnBackbone):
                  out_indices=(0, 1, 2, 3), num_classes=-1, projection=1024,
                  drop_rate=0., drop_path_rate=None, layer_scale_init_values=None,
                  norm_cfg=dict(type='BN'), with_cp=False, frozen_stages=-1, norm_eval=False,
-                 pretrained=None, init_cfg=None):
+                 pretrained=None, init_cfg=None, use_cpe=True):
         super().__init__(init_cfg, pretrained, frozen_stages, norm_eval)
         name = type(self).__name__
         a = resolve_arch(name, self.arch_zoo, arch, _ARCH_KEYS)
@@ -280,6 +312,7 @@ class NaLaFormer(LinAttnBackbone):
         self.num_classes = num_classes
 
         attn_cfgs = per_stage(name, attn_cfg, self.num_stages)
+        _cpe_pair(name, use_cpe)  # a clear error before any block is built
         if layer_scale_init_values is None:
             layer_scale_init_values = a.get('layer_scale_init_values', 1.)
         ls = per_stage(name, layer_scale_init_values, self.num_stages, 'layer_scale_init_values')
@@ -296,7 +329,7 @@ class NaLaFormer(LinAttnBackbone):
                 a['mlp_ratios'][i],
                 ls[i], drop_rate,
                 self.embed_dims[i + 1] if i < self.num_stages - 1 else None, norm_cfg, i,
-                with_cp))
+                with_cp, use_cpe))
         self.extra_norms = nn.ModuleDict(
             {str(i): LayerNorm2d(self.embed_dims[i]) for i in out_indices})
         if num_classes > 0:

@@ -28,15 +28,18 @@ __all__ = ['nala_attention', 'nala_attention_reference', 'nala_attention_fast', 
 
 
 def nala_attention(q, k, v, power=3., eps=1e-6, sin=None, cos=None, kernel='official',
-                   core='fast'):
+                   core='fast', query_power=None):
     """The NaLa core named ``core`` (``'reference'``, ``'fast'`` or ``'triton'``) for the feature
     map ``kernel`` (``'official'`` or ``'paper'``; the paper's kernel has no Triton core). Torch
     cores run with autocast off in float32 (float64 stays float64), as the official code; the
     Triton core reads the inputs as they are and computes in float32. The result has the dtype of
-    ``v``."""
+    ``v``. ``query_power``: a constant query exponent instead of the norm-aware
+    ``power * (0.5 + tanh ||q||)`` (the paper's Table 5 ablation; no Triton core)."""
     check_core('nala_attention', core)
     if kernel != 'official' and core == 'triton':
         raise ValueError(f"nala_attention: kernel={kernel!r} has no Triton core")
+    if query_power is not None and core == 'triton':
+        raise ValueError("nala_attention: a constant query_power has no Triton core")
     if core == 'triton':
         if grad_needed(q, k, v, sin, cos):
             raise RuntimeError("nala_attention: core='triton' is forward-only and a gradient is "
@@ -48,7 +51,7 @@ def nala_attention(q, k, v, power=3., eps=1e-6, sin=None, cos=None, kernel='offi
     with no_autocast(q.device):
         q, k, v = q.to(work), k.to(work), v.to(work)
         if core == 'fast':
-            out = nala_attention_fast(q, k, v, power, eps, sin, cos, kernel)
+            out = nala_attention_fast(q, k, v, power, eps, sin, cos, kernel, query_power)
         else:
-            out = nala_attention_reference(q, k, v, power, eps, sin, cos, kernel)
+            out = nala_attention_reference(q, k, v, power, eps, sin, cos, kernel, query_power)
     return out.to(v.dtype)

@@ -22,6 +22,7 @@ Backward, with ``g`` the output gradient (``R^T = -R``)::
     keys:    dck = dfk+ [ck > 0] - dfk- [ck < 0],  dk = dck lam |k|^(lam - 1)
     queries: G = dc c (dc from dfq as for the keys),  dp = sum_i G_i ln(|q_i| / ||q||),
              dq = G p / q + (-p sum_i G_i / ||q|| + dp lam (1 - tanh^2 ||q||)) q / ||q||
+    a constant query power (``query_power``): the ``dp`` term is dropped (p does not depend on q)
 
 Exact zeros (a zero query element, or a zero query) give zero gradients, as in the reference.
 
@@ -59,12 +60,13 @@ def _rope_grad(dF, sin, cos):
 
 class NormAwareAttention(torch.autograd.Function):
     """The official NaLa core with the backward of the module docstring. Inputs: q, k, v
-    (B, h, N, d), ``power``, ``eps``, ``sin``, ``cos`` (N, d) or None."""
+    (B, h, N, d), ``power``, ``eps``, ``sin``, ``cos`` (N, d) or None, ``query_power`` (a constant
+    query exponent, or None for the norm-aware one)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, power, eps, sin, cos):
-        out, w, k_mean = nala_forward(q, k, v, power, eps, sin, cos)
-        ctx.power, ctx.eps = power, eps
+    def forward(ctx, q, k, v, power, eps, sin, cos, query_power=None):
+        out, w, k_mean = nala_forward(q, k, v, power, eps, sin, cos, query_power)
+        ctx.power, ctx.eps, ctx.query_power = power, eps, query_power
         ctx.save_for_backward(q, k, v, sin, cos, w, k_mean)
         return out
 
@@ -73,7 +75,7 @@ class NormAwareAttention(torch.autograd.Function):
         q, k, v, sin, cos, w, k_mean = ctx.saved_tensors
         lam, rope = ctx.power, sin is not None
         N = k.shape[-2]
-        qn, p, rel, c = _query_terms(q, lam)
+        qn, p, rel, c = _query_terms(q, lam, ctx.query_power)
         fq = torch.cat([c.clamp_min(0), (-c).clamp_min(0)], dim=-1)
         den = (fq @ k_mean.unsqueeze(-1)).add_(ctx.eps)  # (B, h, N, 1)
         Fq = _with_rope(fq, sin, cos) if rope else fq
@@ -111,12 +113,14 @@ class NormAwareAttention(torch.autograd.Function):
         G = _split_grad(dfq, c).mul_(c)
         del dfq
         nonzero = q != 0
-        dp = torch.where(nonzero, G * rel, 0.).sum(-1, keepdim=True).mul_(_LN2)
         dq = torch.where(nonzero, G * p / q, 0.)
-        tanh = (p / lam - 0.5)
-        dqn = -p * G.sum(-1, keepdim=True) / qn + dp * lam * (1 - tanh * tanh)
+        dqn = -p * G.sum(-1, keepdim=True) / qn
+        if ctx.query_power is None:  # the norm-aware power: p depends on ||q||
+            dp = torch.where(nonzero, G * rel, 0.).sum(-1, keepdim=True).mul_(_LN2)
+            tanh = (p / lam - 0.5)
+            dqn += dp * lam * (1 - tanh * tanh)
         dq += torch.where(qn > 0, dqn * q / qn, 0.)
-        return dq, dk, dv.to(v.dtype), None, None, None, None
+        return dq, dk, dv.to(v.dtype), None, None, None, None, None
 
 
 class RecomputedCore(torch.autograd.Function):
@@ -143,7 +147,8 @@ class RecomputedCore(torch.autograd.Function):
         return (None, None, *res, *(None for _ in ctx.rest))
 
 
-def nala_attention_fast(q, k, v, power=3., eps=1e-6, sin=None, cos=None, kernel='official'):
+def nala_attention_fast(q, k, v, power=3., eps=1e-6, sin=None, cos=None, kernel='official',
+                        query_power=None):
     """The NaLa core in its training form (the arguments and result of
     :func:`~linattn_mm.ops.nala.reference.nala_attention_reference`): the official kernel through
     :class:`NormAwareAttention` (the result is a (B, h, N, d) view of a (B, N, h, d) buffer), the
@@ -151,8 +156,10 @@ def nala_attention_fast(q, k, v, power=3., eps=1e-6, sin=None, cos=None, kernel=
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f'nala_attention_fast: q, k, v must be (B, h, N, d), got '
                          f'{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}')
+    qp = None if query_power is None else float(query_power)
     if kernel == 'official':
-        return NormAwareAttention.apply(q, k, v, float(power), eps, sin, cos)
+        return NormAwareAttention.apply(q, k, v, float(power), eps, sin, cos, qp)
     return RecomputedCore.apply(
-        lambda q_, k_, v_, s_, c_, power_, eps_, kernel_: nala_attention_reference(
-            q_, k_, v_, power_, eps_, s_, c_, kernel_), 5, q, k, v, sin, cos, power, eps, kernel)
+        lambda q_, k_, v_, s_, c_, power_, eps_, kernel_, qp_: nala_attention_reference(
+            q_, k_, v_, power_, eps_, s_, c_, kernel_, qp_), 5, q, k, v, sin, cos, power, eps,
+        kernel, qp)

@@ -38,21 +38,26 @@ def _rot_rows(m):
     return torch.stack((-m2[..., 1, :], m2[..., 0, :]), dim=-2).flatten(-3, -2)
 
 
-def _query_terms(q, power):
-    """``||q||``, ``p = power * (0.5 + tanh(||q||))``, ``log2|q| - log2||q||`` and the signed
+def _query_terms(q, power, query_power=None):
+    """``||q||``, ``p = power * (0.5 + tanh(||q||))`` (or the constant ``query_power``),
+    ``log2|q| - log2||q||`` and the signed
     ``c = sign(q) |d(q)|^p`` (no autograd graph). ``|d(q)|^p = 2^(p (log2|q| - log2||q||))``: no
     ``q / ||q||`` tensor and no ``pow`` with a per-token exponent (CPU exp2 is ~2.5x faster than
     exp); ``q = 0`` gives ``log2 0 = -inf`` and ``c = 0``, as ``d(0)^p = 0``."""
     qn = torch.linalg.vector_norm(q, dim=-1, keepdim=True)
-    p = torch.tanh(qn).add_(0.5).mul_(power)
+    if query_power is None:
+        p = torch.tanh(qn).add_(0.5).mul_(power)
+    else:
+        p = torch.full_like(qn, float(query_power))
     rel = numpy_log2_(q.abs()).sub_(numpy_log2_(qn.clamp_min(1e-12)))
     c = (rel * p).exp2_().copysign_(q)
     return qn, p, rel, c
 
 
-def _query_features(q, power):
-    """``[relu(d(q))^p, relu(-d(q))^p]`` (..., N, 2d), ``p = power * (0.5 + tanh(||q||))``."""
-    return sign_split(_query_terms(q, power)[-1])
+def _query_features(q, power, query_power=None):
+    """``[relu(d(q))^p, relu(-d(q))^p]`` (..., N, 2d), ``p = power * (0.5 + tanh(||q||))`` or the
+    constant ``query_power``."""
+    return sign_split(_query_terms(q, power, query_power)[-1])
 
 
 def _key_power(k, power):
@@ -89,11 +94,11 @@ def key_matrix(fk, v, sin, cos):
     return torch.cat([m, -_rot_rows(m)], dim=-2)
 
 
-def nala_forward(q, k, v, power, eps, sin, cos):
+def nala_forward(q, k, v, power, eps, sin, cos, query_power=None):
     """The kernel's computation without an autograd graph; returns the output (a (B, h, N, d) view
     of a (B, N, h, d) buffer), the key-side matrix (:func:`key_matrix`) and the mean key features
-    (..., 2d) of the denominator."""
-    fq = _query_features(q, power)
+    (..., 2d) of the denominator. ``query_power``: a constant query exponent (None: norm-aware)."""
+    fq = _query_features(q, power, query_power)
     fk = _key_features(k, power)
     k_mean = fk.mean(dim=-2)
     den = fq @ k_mean.unsqueeze(-1)  # (B, h, N, 1), unrotated features

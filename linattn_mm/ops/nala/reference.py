@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ['rotate_every_two', 'apply_rope', 'nala_feature_maps', 'nala_attention_reference',
+__all__ = ['rotate_every_two', 'apply_rope', 'query_power_of', 'nala_feature_maps', 'nala_attention_reference',
            'nala_weights_reference', 'KERNELS']
 
 #: the two feature maps: the official code's ReLU sign split and the paper's cos/sin map
@@ -30,11 +30,19 @@ def apply_rope(x, sin, cos):
     return x * cos + rotate_every_two(x) * sin
 
 
-def nala_feature_maps(q, k, power=3., kernel='official'):
+def query_power_of(qn, power, query_power=None):
+    """The query exponent: the norm-aware ``p = power * (0.5 + tanh(||q||))`` (Eq. 8) of the norms
+    ``qn``, or the constant ``query_power`` (the paper's Table 5 ablation rows) when it is given."""
+    if query_power is None:
+        return power * (0.5 + torch.tanh(qn))
+    return torch.full_like(qn, float(query_power))
+
+
+def nala_feature_maps(q, k, power=3., kernel='official', query_power=None):
     """Non-negative feature maps ``(phi_q, phi_k)``, each ``(..., N, 2d)``, of per-head ``q``,
     ``k`` ``(..., N, d)``::
 
-        d(q) = q / ||q||,  p = power * (0.5 + tanh(||q||))
+        d(q) = q / ||q||,  p = power * (0.5 + tanh(||q||))   (or p = query_power, a constant)
         official: phi_q = [relu(d(q))^p, relu(-d(q))^p],  phi_k = [relu(k^lam), relu(-k^lam)]
         paper:    phi_q = |d(q)|^p [cos f(d(q)), sin f(d(q))],  phi_k = |k|^lam [cos f(d(k)), sin f(d(k))]
 
@@ -43,7 +51,7 @@ def nala_feature_maps(q, k, power=3., kernel='official'):
     lam = power
     qn = torch.linalg.vector_norm(q, dim=-1, keepdim=True)
     dq = q / qn.clamp_min(1e-12)
-    p = lam * (0.5 + torch.tanh(qn))
+    p = query_power_of(qn, lam, query_power)
     if kernel == 'official':
         k = k.abs().pow(lam) * k.sign()  # k ** lam with the sign kept (= k**3 for lam = 3)
         phi_q = torch.cat([F.relu(dq).pow(p), F.relu(-dq).pow(p)], -1)
@@ -62,17 +70,18 @@ def nala_feature_maps(q, k, power=3., kernel='official'):
     return phi_q, phi_k
 
 
-def _maps(q, k, power, eps, sin, cos, kernel):
+def _maps(q, k, power, eps, sin, cos, kernel, query_power=None):
     """RoPE-rotated maps ``(R phi_q, R phi_k)`` and ``z = 1 / (phi_q . mean_j phi_k + eps)`` of the
     unrotated maps (the official code rotates the numerator only)."""
-    phi_q, phi_k = nala_feature_maps(q, k, power, kernel)
+    phi_q, phi_k = nala_feature_maps(q, k, power, kernel, query_power)
     z = 1.0 / (phi_q @ phi_k.mean(dim=-2, keepdim=True).transpose(-2, -1) + eps)
     if sin is not None:
         phi_q, phi_k = apply_rope(phi_q, sin, cos), apply_rope(phi_k, sin, cos)
     return phi_q, phi_k, z
 
 
-def nala_attention_reference(q, k, v, power=3., eps=1e-6, sin=None, cos=None, kernel='official'):
+def nala_attention_reference(q, k, v, power=3., eps=1e-6, sin=None, cos=None, kernel='official',
+                             query_power=None):
     """Norm-aware linear attention core::
 
         out = R(phi_q) ((R(phi_k)^T N^-1/2)(v N^-1/2)) / (phi_q . mean(phi_k) + eps)
@@ -83,18 +92,20 @@ def nala_attention_reference(q, k, v, power=3., eps=1e-6, sin=None, cos=None, ke
         eps (float): added to the denominator.
         sin, cos (Tensor, optional): the 2-D RoPE (N, d) on the numerator maps; None: no RoPE.
         kernel (str): ``'official'`` or ``'paper'`` (see :func:`nala_feature_maps`).
+        query_power (float, optional): a constant query exponent instead of the norm-aware one.
 
     Returns:
         Tensor: (B, h, N, d).
     """
     N = q.shape[-2]
-    phi_q, phi_k, z = _maps(q, k, power, eps, sin, cos, kernel)
+    phi_q, phi_k, z = _maps(q, k, power, eps, sin, cos, kernel, query_power)
     kv = (phi_k.transpose(-2, -1) * N ** -0.5) @ (v * N ** -0.5)  # (B, h, 2d, d)
     return (phi_q @ kv) * z
 
 
-def nala_weights_reference(q, k, power=3., eps=1e-6, sin=None, cos=None, kernel='official'):
+def nala_weights_reference(q, k, power=3., eps=1e-6, sin=None, cos=None, kernel='official',
+                           query_power=None):
     """The (B, h, N, N) weights ``A_ij = <R phi(q_i), R phi(k_j)> / (N phi(q_i) . mean phi(k))`` of
     the core (``out = A v``). Dense: for small inputs."""
-    phi_q, phi_k, z = _maps(q, k, power, eps, sin, cos, kernel)
+    phi_q, phi_k, z = _maps(q, k, power, eps, sin, cos, kernel, query_power)
     return (phi_q @ phi_k.transpose(-2, -1)) / q.shape[-2] * z
