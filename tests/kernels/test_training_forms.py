@@ -101,6 +101,23 @@ def test_nala_core(dtype, kernel, rope, lam):
                           [q, k, v, lam, 1e-6, sin, cos, kernel], dtype)
 
 
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('kernel', ['official', 'paper'])
+@pytest.mark.parametrize('rope,query_power', [(False, 2.), (True, 1.5), (False, 3.7)])
+def test_nala_core_constant_query_power(dtype, kernel, rope, query_power):
+    """A constant query power (the paper's Table 5 ablation) in the fast core's backward."""
+    g = torch.Generator().manual_seed(4)
+    B, h, H, W, d = 2, 2, 5, 6, 8
+    q, k, v = (rand(B, h, H * W, d, dtype=dtype, g=g) for _ in range(3))
+    with torch.no_grad():
+        q[0, 0, 1] = 0  # a zero query
+        q[1, 1, 2, :3] = 0  # zeros inside a query
+    sin, cos = RoPE2d(d).to(dtype)((H, W)) if rope else (None, None)
+    assert_same_gradients(partial(nala_attention_fast, query_power=query_power),
+                          partial(nala_attention_reference, query_power=query_power),
+                          [q, k, v, 3., 1e-6, sin, cos, kernel], dtype)
+
+
 # ------------------------------------------------------------------------------------------------
 # the FFN halves and the small lean layers
 # ------------------------------------------------------------------------------------------------
@@ -236,6 +253,18 @@ BACKBONES = {
         arch=dict(embed_dims=[16, 32, 32, 64], depths=[1, 1, 1, 1], num_heads=[1, 2, 2, 4],
                   mlp_ratios=[2, 2, 2, 2]),
         attn_cfg=[dict(NALA, kernel='paper')] * 2 + [SOFT] * 2, drop_path_rate=0., **kw),
+    # the paper's own form: no RoPE, no LePE, no CPE convs; all-linear; its kernel, or the official
+    # kernel with a constant query power (Table 5)
+    'nalaformer paper form': lambda **kw: NaLaFormer(
+        arch=dict(embed_dims=[16, 32, 32, 64], depths=[1, 1, 1, 1], num_heads=[1, 2, 2, 4],
+                  mlp_ratios=[2, 2, 2, 2]),
+        attn_cfg=dict(NALA, kernel='paper', use_rope=False, use_lepe=False), use_cpe=False,
+        drop_path_rate=0., **kw),
+    'nalaformer constant power': lambda **kw: NaLaFormer(
+        arch=dict(embed_dims=[16, 32, 32, 64], depths=[1, 1, 1, 1], num_heads=[1, 2, 2, 4],
+                  mlp_ratios=[2, 2, 2, 2]),
+        attn_cfg=dict(NALA, query_power=2., use_rope=False, use_lepe=False), use_cpe=False,
+        drop_path_rate=0., **kw),
 }
 
 
