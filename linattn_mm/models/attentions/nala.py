@@ -186,8 +186,8 @@ class NaLaMixerBase(BaseTokenMixer):
         return sin.to(device=device, dtype=dtype), cos.to(device=device, dtype=dtype)
 
     def gated_output(self, out, lepe, g):
-        """``out_proj(LN(out + lepe) * SiLU(g))`` (``lepe`` None: ``out_proj(LN(out) * SiLU(g))``) of
-        the (B, h, N, d) core output: LN and gate in
+        """``out_proj(LN(out + lepe) * SiLU(g))`` (without LePE, ``lepe`` None:
+        ``out_proj(LN(out) * SiLU(g))``) of the (B, h, N, d) core output: LN and gate in
         the core dtype with autocast off, ``out_proj`` under the caller's autocast. With
         ``core='reference'`` step by step; otherwise :class:`~linattn_mm.ops.lean_layers.
         NormGatedLinear`, which keeps ``out + lepe`` and ``g`` only for backward."""
