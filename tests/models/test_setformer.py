@@ -248,6 +248,59 @@ def test_nystrom_matches_direct_formula_and_gaussian_limit():
     assert torch.isfinite(mod.anchors.grad).all() and mod.anchors.grad.abs().sum() > 0
 
 
+def test_nystrom_values_match_the_papers_eq5():
+    """``values='nystrom'``: the aggregated vectors are the paper's Nyström embeddings
+    ``v(x_i) = κ(z, z)^-1/2 κ(z, x_i)`` (Eq. 5, symmetric inverse square root, here from scipy's
+    fractional matrix power), the cost is ``<v(x_i), v(y_j)>``; float64 against a dense
+    Sinkhorn and A = T Tᵀ / rows, written from the formulas."""
+    from scipy.linalg import fractional_matrix_power
+    torch.manual_seed(0)
+    C, h, m, k, hw = 8, 2, 5, 3, (3, 4)
+    N, d = hw[0] * hw[1], C // h
+    mod = SeTAttention(C, h, num_refs=m, num_iters=300, eps=0.3, tau=0.8, kernel='nystrom',
+                       num_anchors=k, values='nystrom').double()
+    assert mod.v is None and mod.proj.in_features == h * k
+    x = torch.randn(2, N, C, dtype=torch.float64)
+    out = mod(x, hw)
+    sig, reg = mod.sigma, mod.nystrom_reg
+    kap = lambda t: torch.exp((t - 1) / sig**2)  # noqa: E731
+    M = torch.tensor([[math.exp(-(i / N - j / m)**2 / mod.tau) for j in range(m)]
+                      for i in range(N)], dtype=torch.float64)
+    ref = []
+    for b in range(2):
+        heads = []
+        for i in range(h):
+            xn = F.normalize(x[b, :, i * d:(i + 1) * d], dim=-1)
+            yn, zn = F.normalize(mod.refs[i], dim=-1), F.normalize(mod.anchors[i], dim=-1)
+            kzz = (kap(zn @ zn.T) + reg * torch.eye(k, dtype=torch.float64)).detach().numpy()
+            inv_sqrt = torch.from_numpy(fractional_matrix_power(kzz, -0.5).real)
+            vx, vy = kap(xn @ zn.T) @ inv_sqrt, kap(yn @ zn.T) @ inv_sqrt
+            K = torch.exp(vx @ vy.T / mod.eps) * M
+            u, v = torch.ones(N, dtype=torch.float64), torch.ones(m, dtype=torch.float64)
+            for _ in range(300):
+                u = (1.0 / N) / (K @ v)
+                v = (1.0 / m) / (K.T @ u)
+            T = u[:, None] * K * v[None, :]
+            A = T @ T.T
+            heads.append((A / A.sum(-1, keepdim=True)) @ vx)
+        ref.append(torch.cat(heads, -1) @ mod.proj.weight.T + mod.proj.bias)
+    torch.testing.assert_close(out, torch.stack(ref).detach(), rtol=1e-9, atol=1e-10)
+    # the cost is the Nyström kernel of the default path; it trains (finite anchor gradients)
+    emb, emb_refs = mod.nystrom_values(F.normalize(x.view(2, N, h, d).transpose(1, 2), dim=-1))
+    direct = nystrom_similarity(F.normalize(x.view(2, N, h, d).transpose(1, 2), dim=-1),
+                                F.normalize(mod.refs, dim=-1)[None],
+                                F.normalize(mod.anchors, dim=-1)[None], sig, reg)
+    torch.testing.assert_close(emb @ emb_refs.transpose(-1, -2), direct, rtol=1e-9, atol=1e-12)
+    mod.float()(x.float(), hw).sum().backward()
+    assert torch.isfinite(mod.anchors.grad).all() and mod.anchors.grad.abs().sum() > 0
+    # parameters: refs, anchors, proj (h·k -> C); no value projection
+    assert sum(p.numel() for p in mod.parameters()) == h * m * d + h * k * d + h * k * C + C
+    cost = setformer_cost(N, C, h, m, 30, kernel='nystrom', num_anchors=k, values='nystrom')
+    assert cost['linear'] == N * h * k * C and cost['aggregate'] == 2 * h * N * m * (k + 1)
+    from linattn_mm.flops import count_macs
+    assert count_macs(mod, x[:1].float(), hw).total == cost['total']  # one image
+
+
 def test_kmeans_init_reduces_cost_and_is_deterministic():
     torch.manual_seed(0)
     centres = F.normalize(torch.randn(2, 6, 8), dim=-1)
@@ -419,6 +472,8 @@ def test_options_extra_tokens_key_features_and_cost():
     (dict(sigma=0), 'sigma'),
     (dict(cost_features='query'), 'cost_features'),
     (dict(kernel='nystrom', num_anchors=0), 'num_anchors'),
+    (dict(values='u'), 'values'),
+    (dict(values='nystrom'), "values='nystrom'.*kernel='nystrom'"),
 ])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -10,10 +10,45 @@ learnable reference set y_1..y_m::
              Gaussian on L2-normalised vectors: k = exp((<x̂, ŷ> - 1) / sigma²)
              or its Nyström approximation with k anchors z: k_z(x,z) (K_zz + λI)^-1 k_z(z,y)
     logK   = S / eps  [+ log M]                 Gibbs kernel; M_ij = exp(-(i/n - j/m)² / tau)
+                                                [3] paper: T ⊙ M after Sinkhorn
     T      = Sinkhorn(K; rows 1/n, cols 1/m)    entropic OT plan (n×m), log domain
-    A      = n·m · T Tᵀ                         self-kernel of Eq. 4 with x' = x: n×n, symmetric,
-                                                non-negative, doubly stochastic (never formed)
-    out    = proj( A V ),  V = W_v x            computed right to left: T (Tᵀ V), O(n·m·d)
+    A      = n·m · T Tᵀ                         [1] self-kernel of Eq. 4 with x' = x: n×n,
+                                                symmetric, non-negative, doubly stochastic
+                                                (never formed); paper Eq. 3: √m · Tᵀ u(x), m rows
+    out    = proj( A V ),  V = W_v x            [2] paper: V = u(x) (Eq. 3) or v(x) (Eq. 5);
+                                                computed right to left: T (Tᵀ V), O(n·m·d)
+    y      learnable parameters                 [4] paper: K-means centroids of training features
+
+Interpretations (the paper's formula each replaces, and the switch for the paper's wording where it
+is well defined; the defaults are unchanged and reproduce the checkpoints and tests):
+
+[1] **n-token output through T·Tᵀ.** Eq. 3 defines the attention output as
+    ``A_y(x) = √m · T(x, y)ᵀ u(x)``, an m×d matrix with one row per reference (the pooled output of
+    OTK). A backbone block needs n output tokens (the residual ``x + attn(x)`` and the next stage's
+    grid), so the output is the n×n self-kernel weighting of Eq. 4 applied to the values:
+    ``T_y(x, x) = m · T Tᵀ``, scaled to ``n·m · T Tᵀ`` so that its rows sum to 1 at Sinkhorn
+    convergence (the paper's ``m · T Tᵀ`` rows sum to 1/n), and by default divided by its exact row
+    sums ``T (Tᵀ 1)`` (``row_normalize``; False uses the constant n·m). No switch: an m-row output
+    is not a token mixer.
+[2] **Linear values W_v x instead of u(x).** Eq. 3 aggregates the kernel feature map u(x_i), which
+    for the Gaussian kernel is infinite-dimensional; the default values are ``W_v x`` (one
+    Linear(C, C); with the output projection about 2C² per block, which reproduces the paper's M / T
+    parameter counts). ``values='nystrom'`` (with ``kernel='nystrom'``) aggregates the paper's
+    finite embedding of Eq. 5, ``v(x_i) = κ(z, z)^-1/2 κ(z, x_i)`` (k = ``num_anchors`` channels
+    per head, symmetric inverse square root), with no value projection and an output projection
+    Linear(h·k, C); the cost is then ``<v(x_i), v(y_j)>``, the Nyström kernel of the default path.
+[3] **Positional term before Sinkhorn.** The paper multiplies ``T(v(x), y)`` by M ("performing a
+    multiplication of T with a distance matrix M", element-wise: both are n×m) and puts the result
+    into Eq. 5, i.e. after Sinkhorn. By default (``position='kernel'``) M multiplies the Gibbs
+    kernel before Sinkhorn, a cost term, so the plan keeps its marginals (as OTK's first use of its
+    position filter). ``position='plan'`` is the paper's wording (the plan's marginals are then
+    lost and only the row normalisation keeps the attention rows at 1); ``'both'`` is OTK's.
+[4] **Learnable references.** The paper's y are "the centroids obtained by conducting K-means
+    clustering to feature vectors in the training set". By default the references are learnable
+    parameters (in the state dict and the parameter count); ``refs_learnable=False`` makes them
+    buffers set only by :meth:`SeTAttention.kmeans_init_` (spherical K-means of a batch of block
+    inputs), the paper's wording; that mode has no training-time hook: call ``kmeans_init_`` on
+    each block's inputs before training.
 
 Cost per head: O(n·m·(d + L)) time for L Sinkhorn iterations and O(n·m) memory; no n×n tensor is
 ever formed. The unrolled Sinkhorn loop is differentiated exactly through a custom log-sum-exp step
@@ -21,7 +56,8 @@ that stores no per-iteration n×m tensor (the backward recomputes the soft-max o
 shared log-kernel), so training memory does not grow with L either.
 
 Kernel maths lives in plain functions in :mod:`linattn_mm.ops.setformer`
-(:func:`gaussian_kernel`, :func:`nystrom_similarity`, :func:`positional_log_kernel`,
+(:func:`gaussian_kernel`, :func:`nystrom_similarity`, :func:`nystrom_inv_sqrt`,
+:func:`nystrom_embedding`, :func:`positional_log_kernel`,
 :func:`log_sinkhorn`, :func:`transport_plan`, :func:`self_transport_attention`,
 :func:`spherical_kmeans`, re-exported here) so they can be tested alone;
 :class:`SeTAttention` wires them together.
@@ -33,14 +69,15 @@ import torch.nn as nn
 
 from linattn_mm.ops.dispatch import check_core
 from linattn_mm.ops.lean_layers import recomputed
-from linattn_mm.ops.setformer import (gaussian_kernel, log_sinkhorn, nystrom_similarity,
-                                      positional_log_kernel, self_transport_attention,
-                                      spherical_kmeans, transport_plan)
+from linattn_mm.ops.setformer import (gaussian_kernel, log_sinkhorn, nystrom_embedding,
+                                      nystrom_inv_sqrt, nystrom_similarity, positional_log_kernel,
+                                      self_transport_attention, spherical_kmeans, transport_plan)
 from linattn_mm.registry import ATTENTIONS
 from .base import BaseTokenMixer, merge_heads, run_in_fp32, split_heads
 
 __all__ = [
-    'SeTAttention', 'gaussian_kernel', 'nystrom_similarity', 'positional_log_kernel',
+    'SeTAttention', 'gaussian_kernel', 'nystrom_similarity', 'nystrom_inv_sqrt',
+    'nystrom_embedding', 'positional_log_kernel',
     'log_sinkhorn', 'transport_plan', 'self_transport_attention', 'spherical_kmeans',
     'setformer_cost', 'resize_refs'
 ]
@@ -50,24 +87,31 @@ __all__ = [
 # analytic counts and checkpoint reuse
 # -------------------------------------------------------------------------------------------------
 def setformer_cost(num_tokens, embed_dims, num_heads, num_refs, num_iters, kernel='gaussian',
-                   num_anchors=64, cost_features='x'):
+                   num_anchors=64, cost_features='x', values='linear'):
     """Analytic multiply-accumulate count of one :class:`SeTAttention` forward (exp / log /
     elementwise ops counted as 0 MACs, like fvcore).
 
     Returns:
         dict: ``linear`` (projections), ``similarity`` (n·m·C, or the Nyström products),
-        ``aggregate`` (T(Tᵀ[V,1]): 2·n·m·(d+1) per head), ``sinkhorn_elements`` (n·m·h·2L
-        log-sum-exp element evaluations, not MACs) and ``total`` (MACs).
+        ``aggregate`` (T(Tᵀ[V,1]): 2·n·m·(d+1) per head, d = k for ``values='nystrom'``),
+        ``sinkhorn_elements`` (n·m·h·2L log-sum-exp element evaluations, not MACs) and ``total``
+        (MACs). ``values='nystrom'``: no value projection, the output projection is
+        Linear(h·k, C), and the similarity is the product of the embeddings (the inverse square
+        root's product U Λ^-1/2 Uᵀ is k³ MACs; the eigendecomposition is not a matmul).
     """
     n, C, h, m = num_tokens, embed_dims, num_heads, num_refs
     d = C // h
+    k = num_anchors
     linear = (3 if cost_features == 'key' else 2) * n * C * C
+    if values == 'nystrom':
+        linear = (n * C * C if cost_features == 'key' else 0) + n * h * k * C
     if kernel == 'gaussian':
         sim = n * m * C
+    elif values == 'nystrom':
+        sim = h * (n * k * d + m * k * d + k * k * d + k ** 3 + (n + m) * k * k + n * m * k)
     else:
-        k = num_anchors
         sim = h * (n * k * d + m * k * d + k * k * d + k ** 3 // 3 + (n + m) * k * k + n * m * k)
-    aggregate = 2 * h * n * m * (d + 1)
+    aggregate = 2 * h * n * m * ((k if values == 'nystrom' else d) + 1)
     return dict(linear=linear, similarity=sim, aggregate=aggregate,
                 sinkhorn_elements=2 * num_iters * h * n * m, total=linear + sim + aggregate)
 
@@ -113,7 +157,8 @@ class SeTAttention(BaseTokenMixer):
             0.5 (ImageNet; 0.8 COCO / ADE20K). ``None`` disables the positional term.
         position (str): where M enters: ``'kernel'`` (default: multiplies the Gibbs kernel before
             Sinkhorn, i.e. a cost term, the plan keeps its marginals), ``'plan'`` (multiplies the
-            plan after Sinkhorn, as the paper's wording "multiplied into T"), ``'both'`` (OTK).
+            plan after Sinkhorn element-wise, the paper's wording, [3] in the module docstring),
+            ``'both'`` (OTK).
         kernel (str): ``'gaussian'`` (default: exact κ(t) = exp((t-1)/σ²) on L2-normalised head
             features and references) or ``'nystrom'`` (Nyström approximation through
             ``num_anchors`` learnable anchors, paper Eq. 5).
@@ -126,33 +171,40 @@ class SeTAttention(BaseTokenMixer):
             so the attention rows sum to 1 exactly. Default True. False: the constant
             ``n_valid·m`` (exact only at Sinkhorn convergence, and not with ``position='plan'``).
         refs_learnable (bool): references (and anchors) are ``nn.Parameter`` (default True) or
-            buffers set only by :meth:`kmeans_init_` (the paper's "K-means centroids"; their
-            count is then not in the parameter count).
+            buffers set only by :meth:`kmeans_init_` (the paper's "K-means centroids", [4] in the
+            module docstring; their count is then not in the parameter count).
         qkv_bias (bool): bias of the value (and key) projections. Default True.
         proj_drop (float): dropout after the output projection. Default 0.
         fp32 (bool): under autocast, run the whole mixer in float32 with autocast disabled (output
             float32). Default True.
         num_extra_tokens (int): class tokens before the grid (transported like grid tokens, no
             positional term). Default 0.
+        values (str): the vectors aggregated by T Tᵀ (see [2] in the module docstring):
+            ``'linear'`` (default: ``W_v x``, a Linear(C, C) ``v``) or ``'nystrom'`` (the paper's
+            Eq. 5 embedding ``v(x) = κ(z, z)^-1/2 κ(z, x)`` of the cost features, k =
+            ``num_anchors`` per head; needs ``kernel='nystrom'``; no ``v``, ``proj`` is
+            Linear(h·k, C)).
         core (str): ``'fast'`` (default: the training form, which keeps only the mixer's input for
             backward and runs the mixer once more in the backward, :func:`linattn_mm.ops.
             lean_layers.recomputed`; the same gradients) or ``'reference'`` (plain autograd).
         init_cfg (dict, optional): mmengine init config.
 
     Parameters: ``v`` Linear(C, C), ``proj`` Linear(C, C), ``refs`` (h, m, d) (+ ``k`` Linear(C, C)
-    for ``cost_features='key'``, ``anchors`` (h, k, d) for Nyström). ``forward(x, hw_shape,
+    for ``cost_features='key'``, ``anchors`` (h, k, d) for Nyström; ``values='nystrom'``: no ``v``,
+    ``proj`` Linear(h·k, C)). ``forward(x, hw_shape,
     key_padding_mask=None)``: ``key_padding_mask`` (B, N) bool, True = padded token (row marginal
     0, valid rows 1/n_valid; padded outputs are 0).
     """
     POSITIONS = ('kernel', 'plan', 'both')
     KERNELS = ('gaussian', 'nystrom')
     COST_FEATURES = ('x', 'key')
+    VALUES = ('linear', 'nystrom')
 
     def __init__(self, embed_dims, num_heads, num_refs=500, eps=0.1, num_iters=30, tau=0.5,
                  position='kernel', kernel='gaussian', sigma=0.5, num_anchors=64,
                  nystrom_reg=1e-3, cost_features='x', row_normalize=True, refs_learnable=True,
                  qkv_bias=True, proj_drop=0., fp32=True, num_extra_tokens=0, core='fast',
-                 init_cfg=None):
+                 values='linear', init_cfg=None):
         super().__init__(embed_dims, num_heads, num_extra_tokens=num_extra_tokens,
                          init_cfg=init_cfg)
         name = type(self).__name__
@@ -175,6 +227,12 @@ class SeTAttention(BaseTokenMixer):
         if cost_features not in self.COST_FEATURES:
             raise ValueError(f'{name}: cost_features must be one of {self.COST_FEATURES}, '
                              f'got {cost_features!r}')
+        if values not in self.VALUES:
+            raise ValueError(f'{name}: values must be one of {self.VALUES}, got {values!r}')
+        if values == 'nystrom' and kernel != 'nystrom':
+            raise ValueError(f"{name}: values='nystrom' (the paper's Nyström embedding v(x) as "
+                             f"values) needs kernel='nystrom', got kernel={kernel!r} (the "
+                             f'Gaussian feature map u(x) is infinite-dimensional)')
         self.core = check_core(name, core, ('fast', 'reference'))
         C, h, d = embed_dims, num_heads, self.head_dims
         self.num_refs = num_refs
@@ -190,9 +248,10 @@ class SeTAttention(BaseTokenMixer):
         self.row_normalize = row_normalize
         self.refs_learnable = refs_learnable
         self.fp32 = fp32
-        self.v = nn.Linear(C, C, bias=qkv_bias)
+        self.values = values
+        self.v = nn.Linear(C, C, bias=qkv_bias) if values == 'linear' else None
         self.k = nn.Linear(C, C, bias=qkv_bias) if cost_features == 'key' else None
-        self.proj = nn.Linear(C, C)
+        self.proj = nn.Linear(C if values == 'linear' else h * num_anchors, C)
         self.proj_drop = nn.Dropout(proj_drop)
         self._add_set('refs', torch.randn(h, num_refs, d))
         if kernel == 'nystrom':
@@ -218,6 +277,15 @@ class SeTAttention(BaseTokenMixer):
         anchors = nn.functional.normalize(self.anchors, dim=-1)
         return nystrom_similarity(feats, refs, anchors, self.sigma, self.nystrom_reg)
 
+    def nystrom_values(self, feats):
+        """``values='nystrom'``: the paper's embeddings (Eq. 5) of the cost features and of the
+        references, ``v(x̂)`` (B, h, N, k) and ``v(ŷ)`` (h, m, k), :func:`nystrom_embedding`."""
+        anchors = nn.functional.normalize(self.anchors, dim=-1)
+        refs = nn.functional.normalize(self.refs, dim=-1)
+        inv_sqrt = nystrom_inv_sqrt(anchors, self.sigma, self.nystrom_reg)
+        return (nystrom_embedding(feats, anchors, self.sigma, inv_sqrt=inv_sqrt),
+                nystrom_embedding(refs, anchors, self.sigma, inv_sqrt=inv_sqrt))
+
     def _marginals(self, x, key_padding_mask):
         B, N = x.shape[0], x.shape[-2]
         m = self.num_refs
@@ -235,8 +303,15 @@ class SeTAttention(BaseTokenMixer):
         return row[:, None], col, ~pad, n_valid[:, None, None, None]
 
     def _plan(self, x, hw_shape, key_padding_mask=None):
-        """(plan T (B, h, N, m), valid mask (B, 1, N, 1) or None, n_valid)."""
-        S = self.similarity(self.cost_inputs(x))
+        """(plan T (B, h, N, m), valid mask (B, 1, N, 1) or None, n_valid, the Nyström
+        embeddings v(x) (B, h, N, k) used as values for ``values='nystrom'``, else None)."""
+        feats = self.cost_inputs(x)
+        emb = None
+        if self.values == 'nystrom':  # S = <v(x), v(y)>: the Nyström kernel, from the values
+            emb, emb_refs = self.nystrom_values(feats)
+            S = emb @ emb_refs.transpose(-1, -2)
+        else:
+            S = self.similarity(feats)
         log_k = S / self.eps
         log_m = None
         if self.tau is not None:
@@ -250,7 +325,7 @@ class SeTAttention(BaseTokenMixer):
         plan = transport_plan(log_k, f, g, extra)
         if valid is not None:
             valid = valid[:, None, :, None]
-        return plan, valid, n_valid
+        return plan, valid, n_valid, emb
 
     def transport_plan(self, x, hw_shape, key_padding_mask=None):
         """The transport plans T (B, h, N, m) of tokens ``x`` (for analysis and tests; float32
@@ -287,8 +362,8 @@ class SeTAttention(BaseTokenMixer):
         return run_in_fp32(self._forward, x, hw_shape, key_padding_mask, enabled=self.fp32)
 
     def _forward(self, x, hw_shape, key_padding_mask):
-        plan, valid, n_valid = self._plan(x, hw_shape, key_padding_mask)
-        v = split_heads(self.v(x), self.num_heads).to(plan.dtype)
+        plan, valid, n_valid, emb = self._plan(x, hw_shape, key_padding_mask)
+        v = emb if emb is not None else split_heads(self.v(x), self.num_heads).to(plan.dtype)
         out = self_transport_attention(plan, v, self.row_normalize,
                                        scale=n_valid * self.num_refs, valid=valid)
         return self.proj_drop(self.proj(merge_heads(out).to(x.dtype)))
@@ -341,5 +416,6 @@ class SeTAttention(BaseTokenMixer):
     def extra_repr(self):
         return (f'num_refs={self.num_refs}, eps={self.eps}, num_iters={self.num_iters}, '
                 f'tau={self.tau}, position={self.position!r}, kernel={self.kernel!r}, '
-                f'sigma={self.sigma}, cost_features={self.cost_features!r}')
+                f'sigma={self.sigma}, cost_features={self.cost_features!r}, '
+                f'values={self.values!r}')
 

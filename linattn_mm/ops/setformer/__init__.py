@@ -7,8 +7,9 @@ import torch
 import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
-__all__ = ['gaussian_kernel', 'nystrom_similarity', 'positional_log_kernel', 'log_sinkhorn',
-           'transport_plan', 'self_transport_attention', 'spherical_kmeans']
+__all__ = ['gaussian_kernel', 'nystrom_similarity', 'nystrom_inv_sqrt', 'nystrom_embedding',
+           'positional_log_kernel',
+           'log_sinkhorn', 'transport_plan', 'self_transport_attention', 'spherical_kmeans']
 
 
 def gaussian_kernel(t, sigma):
@@ -44,6 +45,39 @@ def nystrom_similarity(x_hat, y_hat, z_hat, sigma, reg=1e-3):
     vx = torch.linalg.solve_triangular(chol, fx.transpose(-1, -2), upper=False)  # (..., k, n)
     vy = torch.linalg.solve_triangular(chol, fy.transpose(-1, -2), upper=False)  # (..., k, m)
     return vx.transpose(-1, -2) @ vy
+
+
+def nystrom_inv_sqrt(z_hat, sigma, reg=1e-3):
+    """``(κ(z, z) + reg·I)^-1/2`` (..., k, k), the symmetric inverse square root through an
+    eigendecomposition (as the CKN / OTK code). Its gradient is undefined where κ(z, z) has
+    repeated eigenvalues (e.g. duplicate anchors)."""
+    k = z_hat.shape[-2]
+    kzz = gaussian_kernel(z_hat @ z_hat.transpose(-1, -2), sigma)
+    kzz = kzz + reg * torch.eye(k, dtype=kzz.dtype, device=kzz.device)
+    lam, vec = torch.linalg.eigh(kzz)
+    lam = lam.clamp_min(reg if reg > 0 else torch.finfo(lam.dtype).eps)
+    return (vec * lam.rsqrt().unsqueeze(-2)) @ vec.transpose(-1, -2)  # U Λ^-1/2 Uᵀ
+
+
+def nystrom_embedding(x_hat, z_hat, sigma, reg=1e-3, inv_sqrt=None):
+    """The paper's Nyström embedding (§"Projecting onto a linear subspace"), as rows:
+    ``v(x_i) = κ(z, z)^-1/2 κ(z, x_i)`` with ``κ(z, z) + reg·I`` and its **symmetric** inverse
+    square root (:func:`nystrom_inv_sqrt`), so ``<v(x), v(y)>`` is the Nyström kernel of
+    :func:`nystrom_similarity` and ``v`` itself is the paper's vector, not a rotation of it (the
+    inverse Cholesky factor of :func:`nystrom_similarity` gives the same inner products but
+    rotated vectors).
+
+    Args:
+        x_hat (Tensor): (..., n, d) unit vectors. z_hat (Tensor): (..., k, d) unit anchors
+            (broadcast against x_hat). sigma (float): Gaussian bandwidth. reg (float): ridge.
+        inv_sqrt (Tensor, optional): :func:`nystrom_inv_sqrt` of ``z_hat``, when already computed.
+
+    Returns:
+        Tensor (..., n, k).
+    """
+    if inv_sqrt is None:
+        inv_sqrt = nystrom_inv_sqrt(z_hat, sigma, reg)
+    return gaussian_kernel(x_hat @ z_hat.transpose(-1, -2), sigma) @ inv_sqrt
 
 
 def positional_log_kernel(hw_shape, num_refs, tau, num_extra_tokens=0, device=None,
