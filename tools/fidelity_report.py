@@ -27,7 +27,8 @@ PARAM_TOL, FLOP_TOL = 0.03, 0.05
 SET_MT = ("the learnable reference sets (m=500 per block, m·C parameters each) are counted here; without them M / T have 16.39M / 22.71M (+1.2% / +1.8%). The paper's FLOPs lie between this model without the transport matmuls (M 2.09G, T 3.33G) and with them (4.28G / 6.44G): its counter appears to miss part of the attention matmuls (see `docs/model_zoo/setformer.md`)")
 SET_SB = ('the paper gives no widths for S / B and no NAT width reproduces its 35.0M / 56.7M '
           '(S / B here follow NAT-S / NAT-B, 39.10M / 69.11M without the reference '
-          'sets); FLOPs: see setformer-m')
+          'sets; of the widths tried, C=80 / MLP 3 gives 35.29M and C=96 / MLP 3.5 56.43M, '
+          'docs/model_zoo/setformer.md, "S / B widths"); FLOPs: see setformer-m')
 
 # (config name, paper, params M, GFLOPs, top-1, reason when outside the tolerances)
 # Softmax rows are the skeletons' own papers (DeiT, Swin, PVT, PVTv2), the reference the linear

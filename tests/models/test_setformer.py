@@ -429,6 +429,78 @@ def test_parameter_counts_vs_paper():
     assert any(k.endswith('attn.refs') for k in model.state_dict())
 
 
+# the dense-prediction configs of the paper's Tables 4 / 5: backbone parameters (four output norms,
+# no classifier head), references included (m = 750 COCO, 800 ADE20K; m·Σ depth_i·C_i of them)
+DENSE_BACKBONE_PARAMS = {
+    'mask-rcnn_setformer-m_fpn_ms-crop-3x_coco': 19_473_600,
+    'mask-rcnn_setformer-t_fpn_ms-crop-3x_coco': 28_099_776,
+    'mask-rcnn_setformer-s_fpn_ms-crop-3x_coco': 47_188_800,
+    'mask-rcnn_setformer-b_fpn_ms-crop-3x_coco': 79_894_272,
+    'upernet_setformer-m_8xb2-160k_ade20k-512x512': 19_713_600,
+    'upernet_setformer-t_8xb2-160k_ade20k-512x512': 28_493_376,
+    'upernet_setformer-s_8xb2-160k_ade20k-512x512': 47_779_200,
+    'upernet_setformer-b_8xb2-160k_ade20k-512x512': 80_681_472,
+}
+# whole detector / segmentor (backbone, FPN / UperNet heads, 80 / 150 classes)
+DENSE_MODEL_PARAMS = {
+    'mask-rcnn_setformer-m_fpn_ms-crop-3x_coco': 39_624_624,
+    'mask-rcnn_setformer-s_fpn_ms-crop-3x_coco': 67_462_704,
+    'mask-rcnn_setformer-b_fpn_ms-crop-3x_coco': 100_291_056,
+    'upernet_setformer-m_8xb2-160k_ade20k-512x512': 50_021_228,
+    'upernet_setformer-s_8xb2-160k_ade20k-512x512': 80_200_364,
+    'upernet_setformer-b_8xb2-160k_ade20k-512x512': 115_216_172,
+}
+
+
+def _dense_config(name):
+    from linattn_mm.apis import get_config
+    return get_config(f'configs/setformer/{name}.py')
+
+
+@pytest.mark.parametrize('name', sorted(DENSE_BACKBONE_PARAMS))
+def test_dense_config_backbone_params(name):
+    """Backbone of each Mask R-CNN 3x / UperNet config: arch, SeT settings of the paper's task,
+    pinned parameter count; without the references every size has the same count for both tasks
+    (M 15.87M, T 22.20M, S 38.33M, B 68.09M)."""
+    cfg = _dense_config(name)
+    bb = dict(cfg.model.backbone)
+    bb.pop('init_cfg')
+    size = name.split('setformer-')[1][0]
+    m, task = (750, 'coco') if 'coco' in name else (800, 'ade')
+    assert bb['arch'] == size and bb['out_indices'] == (0, 1, 2, 3)
+    assert dict(bb['attn_cfg']) == dict(type='SeTAttention', num_refs=m, eps=0.3, tau=0.8)
+    assert bb['drop_path_rate'] == dict(m=0.2, t=0.2, s=0.3, b=0.5)[size]
+    assert cfg.model.backbone.init_cfg.checkpoint == f'checkpoints/setformer_{size}.pth'
+    with torch.device('meta'):
+        model = MODELS.build(bb)
+    widths = model.embed_dims
+    heads = cfg.model.neck.in_channels if task == 'coco' else cfg.model.decode_head.in_channels
+    assert list(heads) == widths
+    if task == 'ade':
+        assert cfg.model.auxiliary_head.in_channels == widths[2]
+    total = sum(p.numel() for p in model.parameters())
+    refs = sum(p.numel() for n, p in model.named_parameters() if n.endswith('.refs'))
+    depths = model.arch_settings['depths']
+    assert refs == m * sum(dep * w for dep, w in zip(depths, widths))
+    assert total == DENSE_BACKBONE_PARAMS[name]
+    assert total - refs == dict(m=15_873_600, t=22_195_776, s=38_332_800, b=68_086_272)[size]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name', sorted(DENSE_MODEL_PARAMS))
+def test_dense_config_builds(name):
+    """The whole detector / segmentor of each new size builds (no pretrained file needed) with a
+    pinned parameter count and runs a small image."""
+    from linattn_mm.apis import build_model
+    torch.manual_seed(0)
+    cfg = _dense_config(name)
+    model = build_model(cfg, pretrained_backbone=False).eval()
+    assert sum(p.numel() for p in model.parameters()) == DENSE_MODEL_PARAMS[name]
+    with torch.no_grad():
+        feats = model.extract_feat(torch.randn(1, 3, 64, 96))
+    assert all(torch.isfinite(f).all() for f in feats)
+
+
 def test_checkpoint_with_other_num_refs_loads(tmp_path):
     from linattn_mm.checkpoint import load_pretrained
     src = MODELS.build(dict(type='SeTformer', arch=SMALL_ARCH, attn_cfg=SMALL_SET))
