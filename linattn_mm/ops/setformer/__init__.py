@@ -85,7 +85,9 @@ def positional_log_kernel(hw_shape, num_refs, tau, num_extra_tokens=0, device=No
     """log M with ``M_ij = exp(-(i/n - j/m)² / tau)`` (paper §SeT, "linear positional encoding").
 
     ``i`` is the row-major (raster) index of a grid token, ``n = H·W``, ``j`` the reference index,
-    both 0-based. Extra (class) tokens have no position: their rows are 0 (M = 1).
+    both 0-based. Extra (class) tokens have no position: their rows are 0 (M = 1). The paper multiplies
+    the plan by M after Sinkhorn (``position='plan'``); by default log M is added to the log Gibbs
+    kernel before it (reading [3] in :mod:`linattn_mm.models.attentions.setformer`).
 
     Returns:
         Tensor (num_extra_tokens + H·W, num_refs).
@@ -183,7 +185,9 @@ def self_transport_attention(plan, v, row_normalize=True, scale=None, valid=None
     """Apply the rank-m self-kernel attention ``A = c·T Tᵀ`` to values without forming it.
 
     ``out = T (Tᵀ [V, 1])`` in one right-to-left pass (O(n·m·d)); the extra ones column gives the
-    row sums ``r = T (Tᵀ 1)`` of ``T Tᵀ``.
+    row sums ``r = T (Tᵀ 1)`` of ``T Tᵀ``. The paper's Eq. 3 output ``√m · Tᵀ u(x)`` has m rows; the n
+    output tokens come from Eq. 4's self-kernel ``T_y = m · T Tᵀ`` (reading [1] in
+    :mod:`linattn_mm.models.attentions.setformer`).
 
     Args:
         plan (Tensor): (..., n, m) transport plan T.
