@@ -2,32 +2,58 @@
 
 No official code exists; this is the instance of the paper's experiments (§4.1) written from the
 text, with every open choice an argument (defaults and reasons: ``docs/model_zoo/padre.md``,
-"Arguments and documented choices"). One head. For tokens ``x`` on an H×W grid and degree ``d``::
+"Arguments and documented choices" and "Readings tried"). One head. The paper's framework (§3,
+Eqs. 1-6), for tokens ``X`` on an H×W grid and degree ``d``::
 
-    Y_i     = A_i X B_i          B_i: point-wise (Linear C->C), A_i: depth-wise k×k conv (i = 1..d)
+    Y_i     = A_i X B_i                        (i = 1..d)      A: token mixing, B: channel mixing
     Z_1     = Y_1
-    Z_{i+1} = (C_i Z_i D_i) ⊙ Y_{i+1}      D_i: point-wise, C_i: depth-wise k×k   (i = 1..d-1)
-    P       = proj( sum_{i=2..d} w_i ⊙ Z_i )                                       (+ proj bias)
+    Z_{i+1} = (C_i Z_i D_i) ⊙ Y_{i+1}          (i = 1..d-1)    C: token mixing, D: channel mixing
+    P       = sum_i W_i ⊙ Z_i + L                              (Eq. 6)
 
-* ``w_i`` are per-degree, per-channel weights (shape (d-1, C), ones at init) and ``proj`` a
-  Linear(C, C) with bias: together ``sum_i (W_proj diag(w_i)) Z_i + b``, i.e. the paper's
-  ``sum_i W_i ⊙ Z_i + L`` (Eq. 6) with per-channel instead of per-token weights (the per-token
-  W ∈ R^{N×D×d}, L ∈ R^{N×D} would fix the resolution) followed by the "final conv layer" that the
-  paper says provides the bias.
-* **No degree-1 term** (``Z_1`` is not summed): the block residual ``x + PADRe(LN(x))`` provides it.
-* The convolutions are **depth-wise** (a dense 11×11 conv would hold ~4.5M parameters per layer at
-  C=192, incompatible with the 5M of PADRe-2 DeiT-T); point-wise and token convs commute up to bias
-  placement (A X B is associative). The B_i of all degrees are one fused Linear(C, d·C) and the A_i
-  one depth-wise conv over d·C channels (same maths, fewer kernel launches).
-* Nothing depends on the token count: it runs at any H×W without resizing. Zero padding (k // 2) at
-  the grid border, as any CNN.
+Token mixings are depth-wise k×k convs (k = 11), channel mixings point-wise (Linear C->C). The
+instance has **no degree-1 term** (``Z_1`` is not summed: the block residual ``x + PADRe(LN(x))``
+provides it) and no separate ``L`` (the final point-wise layers' bias is the degree-0 term). Two
+layouts of the per-degree modules (``layout``; the paper does not list them):
+
+``layout='compact'`` (default) — the layout whose counts reproduce the paper's parameters (Table 2,
+truncated to whole millions as the paper prints its softmax DeiTs) and Table 6 (FLOPs = 2 × MACs,
+the convention of that table's other rows)::
+
+    Z_1     = X                                  (A_1 = B_1 = I: the token and channel mixings of
+                                                  Z_1 are C_1, D_1; A_1 B_1 then C_1 D_1 would be
+                                                  two consecutive linear maps, Z_1 is not summed)
+    Y_i     = X B_i                    i = 2..d  (point-wise; A_i = I)
+    Z_{i+1} = (C_i Z_i D_i) ⊙ Y_{i+1}  i = 1..d-1  (D_i point-wise, C_i depth-wise k×k)
+    P       = sum_{i=2..d} W_i Z_i + b           (W_i: per-degree point-wise layers, Eq. 6's
+                                                  weights as channel mixings; b: the degree-0 term,
+                                                  "the final convolutional layers provide the
+                                                  bias terms")
+
+  3(d−1) point-wise layers and d−1 depth-wise convs: ``3(d−1)·N·C² + (d−1)·N·C·k²`` MACs. At d = 2
+  it is Conv2Former's block without its GELU, ``W_2 (DConv(X D_1) ⊙ X B_2)`` (the paper's App.
+  B.2). D_1 and B_2..B_d act on the same X: one fused Linear(C, d·C) (``in_pw``: chunk 0 = X D_1,
+  chunk i-1 = Y_i); W_2..W_d are one Linear((d−1)·C, C) over the concatenated Z_i (``out``: the
+  sum of the per-degree layers, one bias).
+
+``layout='full'`` — every Y_i has its own A_i and B_i, every Z_i its own C_i and D_i, and the sum
+is ``proj(sum_{i=2..d} w_i ⊙ Z_i)`` with per-degree, per-channel ``w_i`` (ones at init) and one
+Linear(C, C) with bias: ``2d·N·C² + (2d−1)·N·C·k²`` MACs. Parameters +10 % to +31 % of Table 2
+and half of Table 6's FLOPs per added degree. B_1..B_d are one fused Linear(C, d·C) (``y_pw``),
+A_1..A_d one depth-wise conv over d·C channels (``y_dw``), D_i / C_i ``z_pw[i-1]`` /
+``z_dw[i-1]``, ``degree_weight`` and ``proj`` (the state-dict keys of the previous releases).
+
+In both layouts Eq. 6's per-token W ∈ R^{N×D×d} and L ∈ R^{N×D} are not used (they would fix the
+resolution): nothing depends on the token count, the mixer runs at any H×W without resizing. The
+convolutions are **depth-wise** (a dense 11×11 conv would hold ~4.5M parameters per layer at
+C=192, incompatible with the 5M of PADRe-2 DeiT-T); point-wise and token convs commute up to bias
+placement (A X B is associative). Zero padding (k // 2) at the grid border, as any CNN.
 
 Class tokens (``num_extra_tokens > 0``, DeiT), ``cls_mode``:
 
-* ``'pool'`` (default): the token mixings A_i / C_i act on a class-token row as
+* ``'pool'`` (default): the token mixings (A_i / C_i) act on a class-token row as
   ``alpha ⊙ t_cls + beta ⊙ mean_grid(t)`` (per-channel learnable ``alpha``, ``beta``, one pair per
-  token conv, initialised to 1): the class token sees the (global average of the) grid, the grid
-  does not see the class token. Still linear in X, so Z_i stays a homogeneous degree-i polynomial;
+  token conv, initialised to 1: ``cls_z`` for the C_i, ``cls_y`` for the A_i of ``'full'``): the
+  class token sees the (global average of the) grid, the grid does not see the class token. Still linear in X, so Z_i stays a homogeneous degree-i polynomial;
   cost O(N). Grid tokens are mixed by the k×k convs only.
 * ``'identity'``: A_i / C_i are the identity on class tokens (they get only the channel mixings and
   products of their own features; use a pooled readout then, e.g. ``out_type='avg_featmap'``).
@@ -35,16 +61,17 @@ Class tokens (``num_extra_tokens > 0``, DeiT), ``cls_mode``:
 Normalisation (§3.3, "not necessary" in the paper), ``norm``:
 
 * ``None`` (default, paper): no normalisation.
-* ``'ln'``: a LayerNorm (no affine) over channels on every Y_i before the products. Bounds the
-  magnitude of the degree-d products for any input scale (the output is then no longer a
-  polynomial in X; use for fp16 training if it diverges).
+* ``'ln'``: a LayerNorm (no affine) over channels on every Y_i before the products (``'compact'``:
+  on every chunk of ``in_pw``, i.e. X D_1 and Y_2..Y_d). Bounds the magnitude of the degree-d
+  products for any input scale (the output is then no longer a polynomial in X; use for fp16
+  training if it diverges).
 
 Precision (``fp32``, default True): under autocast the whole mixer runs in float32 with autocast
 disabled and its output stays float32 (the residual stream of the skeletons is float32 under
 autocast). A degree-d product of unnormalised activations leaves the float16 range (max 65504)
 easily, and so do the weight gradients of the input point-wise layer (sums over all tokens of
-products of the other degrees' factors). The mixer is a small part of the block cost (2d point-wise
-layers and 2d-1 depth-wise convs); ``fp32=False`` leaves everything to autocast.
+products of the other degrees' factors). The mixer is a small part of the block cost (3(d−1) or 2d
+point-wise layers and d−1 or 2d−1 depth-wise convs); ``fp32=False`` leaves everything to autocast.
 
 Token mixing for sequences (``token_mixing='1d'``): kernel-k 1-D depth-wise convs over the
 flattened row-major token sequence (the paper's DSVT instance); ``'2d'`` (default) uses k×k convs on
@@ -64,7 +91,7 @@ __all__ = ['PADReMixer', 'padre_cost']
 
 
 def padre_cost(embed_dims, degree, num_tokens, kernel_size=11, token_mixing='2d',
-               num_extra_tokens=0):
+               num_extra_tokens=0, layout='compact'):
     """Analytic multiply-accumulate count of one :class:`PADReMixer` forward (biases, the Hadamard
     products and the class-token pooling are counted as 0 MACs, like fvcore / the DeiT tables).
 
@@ -75,13 +102,20 @@ def padre_cost(embed_dims, degree, num_tokens, kernel_size=11, token_mixing='2d'
         kernel_size (int): k.
         token_mixing (str): ``'2d'`` (k*k taps) or ``'1d'`` (k taps).
         num_extra_tokens (int): class tokens (go through the point-wise layers only).
+        layout (str): ``'compact'`` or ``'full'`` (see the module docstring).
 
     Returns:
-        int: MACs = (2d)·N'·C² + (2d−1)·N·C·taps, N' = N + extra tokens
-        (d + (d−1) + 1 point-wise layers, d + (d−1) depth-wise convs).
+        int: MACs, N' = N + extra tokens.
+        ``'compact'``: 3(d−1)·N'·C² + (d−1)·N·C·taps (D_i, B_{i+1} and W_{i+1} point-wise, C_i
+        depth-wise, i = 1..d−1);
+        ``'full'``: (2d)·N'·C² + (2d−1)·N·C·taps (d + (d−1) + 1 point-wise layers, d + (d−1)
+        depth-wise convs).
     """
     taps = kernel_size ** 2 if token_mixing == '2d' else kernel_size
     n_all = num_tokens + num_extra_tokens
+    if layout == 'compact':
+        return 3 * (degree - 1) * n_all * embed_dims ** 2 + (
+            degree - 1) * num_tokens * embed_dims * taps
     point_wise = 2 * degree * n_all * embed_dims ** 2
     depth_wise = (2 * degree - 1) * num_tokens * embed_dims * taps
     return point_wise + depth_wise
@@ -108,6 +142,11 @@ class PADReMixer(BaseTokenMixer):
         bias (bool): biases of the point-wise and depth-wise layers (the output projection always
             has one: the degree-0 term). Default True.
         num_extra_tokens (int): class tokens before the grid. Default 0.
+        layout (str): per-degree modules, ``'compact'`` (default: 3(d−1) point-wise layers and
+            d−1 depth-wise convs, the counts of the paper's Tables 2 and 6) or ``'full'`` (2d
+            point-wise layers and 2d−1 depth-wise convs, the previous default; its state-dict keys
+            are unchanged). Formulas in the module docstring; the readings compared in
+            ``docs/model_zoo/padre.md``, "Readings tried".
         proj_drop (float): dropout after the output projection. Default 0.
         core (str): ``'fast'`` (default: the training form, which keeps only the mixer's input for
             backward and runs the mixer once more in the backward, :func:`linattn_mm.ops.
@@ -118,10 +157,11 @@ class PADReMixer(BaseTokenMixer):
     NORMS = (None, 'ln')
     CLS_MODES = ('pool', 'identity')
     TOKEN_MIXINGS = ('2d', '1d')
+    LAYOUTS = ('compact', 'full')
 
     def __init__(self, embed_dims, num_heads=1, degree=2, kernel_size=11, token_mixing='2d',
                  norm=None, fp32=True, cls_mode='pool', bias=True, num_extra_tokens=0,
-                 proj_drop=0., core='fast', init_cfg=None):
+                 proj_drop=0., core='fast', layout='compact', init_cfg=None):
         super().__init__(embed_dims, 1, num_extra_tokens=num_extra_tokens, init_cfg=init_cfg)
         self.skeleton_num_heads = num_heads
         if degree not in self.DEGREES:
@@ -134,6 +174,8 @@ class PADReMixer(BaseTokenMixer):
         if token_mixing not in self.TOKEN_MIXINGS:
             raise ValueError(f'PADReMixer: token_mixing must be one of {self.TOKEN_MIXINGS}, '
                              f'got {token_mixing!r}')
+        if layout not in self.LAYOUTS:
+            raise ValueError(f'PADReMixer: layout must be one of {self.LAYOUTS}, got {layout!r}')
         if kernel_size % 2 != 1:
             raise ValueError(f'PADReMixer: kernel_size must be odd, got {kernel_size}')
         self.core = check_core('PADReMixer', core, ('fast', 'reference'))
@@ -144,8 +186,23 @@ class PADReMixer(BaseTokenMixer):
         self.norm = norm
         self.fp32 = fp32
         self.cls_mode = cls_mode
+        self.layout = layout
         conv = nn.Conv2d if token_mixing == '2d' else nn.Conv1d
         pad = kernel_size // 2
+        pool = bool(num_extra_tokens) and cls_mode == 'pool'
+        if layout == 'compact':
+            # D_1 (chunk 0) and B_2..B_d (chunks 1..d-1) fused: they all act on X
+            self.in_pw = nn.Linear(C, degree * C, bias=bias)
+            # C_1..C_{d-1} (depth-wise) and D_2..D_{d-1} (point-wise)
+            self.z_dw = nn.ModuleList(
+                conv(C, C, kernel_size, padding=pad, groups=C, bias=bias) for _ in range(degree - 1))
+            self.z_pw = nn.ModuleList(nn.Linear(C, C, bias=bias) for _ in range(degree - 2))
+            # W_2..W_d on the concatenated Z_2..Z_d, one bias (the degree-0 term)
+            self.out = nn.Linear((degree - 1) * C, C)
+            self.proj_drop = nn.Dropout(proj_drop)
+            if pool:
+                self.cls_z = nn.Parameter(torch.ones(degree - 1, 2, C))
+            return
         # B_1..B_d fused (output chunk i-1 = B_i), then A_1..A_d as one depth-wise conv
         self.y_pw = nn.Linear(C, degree * C, bias=bias)
         self.y_dw = conv(degree * C, degree * C, kernel_size, padding=pad, groups=degree * C,
@@ -158,7 +215,7 @@ class PADReMixer(BaseTokenMixer):
         self.degree_weight = nn.Parameter(torch.ones(degree - 1, C))
         self.proj = nn.Linear(C, C)
         self.proj_drop = nn.Dropout(proj_drop)
-        if num_extra_tokens and cls_mode == 'pool':
+        if pool:
             # (alpha, beta) for A (d·C channels) and for each C_i
             self.cls_y = nn.Parameter(torch.ones(2, degree * C))
             self.cls_z = nn.Parameter(torch.ones(degree - 1, 2, C))
@@ -206,6 +263,8 @@ class PADReMixer(BaseTokenMixer):
 
     def _forward(self, x, hw_shape):
         pool = self.num_extra_tokens and self.cls_mode == 'pool'
+        if self.layout == 'compact':
+            return self._compact(x, hw_shape, pool)
         y = self._token_mix(self.y_pw(x), self.y_dw, hw_shape, self.cls_y if pool else None)
         return self._recursion(y.split(self.embed_dims, dim=-1), hw_shape, pool)
 
@@ -219,7 +278,19 @@ class PADReMixer(BaseTokenMixer):
             s = s + self.degree_weight[i] * z
         return self.proj_drop(self.proj(s))
 
+    def _compact(self, x, hw_shape, pool):
+        # chunk 0: Z_1 D_1 = X D_1; chunks 1..d-1: Y_2..Y_d = X B_i
+        ts = [self._normalise(t) for t in self.in_pw(x).split(self.embed_dims, dim=-1)]
+        zs = []
+        t = ts[0]
+        for i in range(self.degree - 1):
+            if i:  # D_{i+1} on Z_{i+1} (D_1 is fused in in_pw)
+                t = self.z_pw[i - 1](zs[-1])
+            z = self._token_mix(t, self.z_dw[i], hw_shape, self.cls_z[i] if pool else None)
+            zs.append(z * ts[i + 1])
+        return self.proj_drop(self.out(torch.cat(zs, dim=-1) if len(zs) > 1 else zs[0]))
+
     def extra_repr(self):
-        return (f'degree={self.degree}, kernel_size={self.kernel_size}, '
+        return (f'layout={self.layout!r}, degree={self.degree}, kernel_size={self.kernel_size}, '
                 f'token_mixing={self.token_mixing!r}, norm={self.norm!r}, '
                 f'cls_mode={self.cls_mode!r}')
