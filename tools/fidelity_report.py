@@ -92,17 +92,26 @@ ROWS = [
     ('nala-swin-t_in1k', 'NaLaFormer', 29, 4.8, 82.9, None),
     # ---- PADRe (paper Table 2)
     ('padre2-deit-t_in1k', 'PADRe', 5, 1.2, 74.5,
-     'the paper does not specify its per-degree modules; this instance (2d point-wise layers and '
-     '2d-1 depth-wise 11x11 convs per mixer, see `docs/model_zoo/padre.md`) has more parameters; '
-     'params printed in whole millions by the paper'),
+     'params: the paper truncates to whole millions (its softmax DeiT-T 5.72M is printed 5); the '
+     'default compact layout (3(d-1) point-wise layers and d-1 depth-wise 11x11 convs per mixer) '
+     'truncates to every Table 2 figure and reproduces Table 6 (one mixer at 4096 tokens, 2 FLOPs '
+     'per MAC). FLOPs: at DeiT-S / B, Table 2 asks at least 2 C^2 MACs per token per block more '
+     'than its parameters allow, so no reading matches both (`docs/model_zoo/padre.md`, '
+     '"Readings tried")'),
     ('padre3-deit-t_in1k', 'PADRe', 7, 1.7, 76.5,
-     'per-degree modules unspecified by the paper (see padre2-deit-t)'),
+     'params truncated by the paper; Table 2 FLOPs not reproducible together with its params '
+     '(see padre2-deit-t and "Readings tried" in `docs/model_zoo/padre.md`)'),
     ('padre2-deit-s_in1k', 'PADRe', 20, 4.8, 80.4,
-     'per-degree modules unspecified by the paper (see padre2-deit-t)'),
+     'params truncated by the paper (20.85M prints as 20); Table 2 FLOPs not reproducible '
+     'together with its params (see padre2-deit-t and "Readings tried" in '
+     '`docs/model_zoo/padre.md`)'),
     ('padre3-deit-s_in1k', 'PADRe', 26, 6.1, 80.5,
-     'per-degree modules unspecified by the paper (see padre2-deit-t)'),
+     'params truncated by the paper; Table 2 FLOPs not reproducible together with its params '
+     '(see padre2-deit-t and "Readings tried" in `docs/model_zoo/padre.md`)'),
     ('padre2-deit-b_in1k', 'PADRe', 80, 18.8, 81.4,
-     'per-degree modules unspecified by the paper (see padre2-deit-t)'),
+     'params truncated by the paper (its softmax DeiT-B 86.57M is printed 86); Table 2 FLOPs not '
+     'reproducible together with its params (see padre2-deit-t and "Readings tried" in '
+     '`docs/model_zoo/padre.md`)'),
     # ---- Poly-SA (paper Table 3; it reports attention-only FLOPs, so no model FLOPs here)
     ('poly-swin-t_in1k', 'Poly-SA', 26.1, None, 80.66, None),
     ('poly-deit-t_in1k', 'Poly-SA', 5.4, None, 71.48, None),
