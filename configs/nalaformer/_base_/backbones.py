@@ -29,15 +29,6 @@ nalaformer_t_backbone = dict(
     init_cfg=dict(type='Pretrained', checkpoint=nalaformer_t_pretrained)
 )
 
-# ImageNet-1k NaLaFormer-XT weights. There are no public ones: train nalaformer-xt_in1k (or
-# place an official-format file, {'model': ..., 'model_ema': ...}, here; EMA weights are preferred).
+# ImageNet-1k NaLaFormer-XT weights (the XT configs take the T backbone with arch='xt'). There are
+# no public ones: train nalaformer-xt_in1k (or place an official-format file here).
 nalaformer_xt_pretrained = 'checkpoints/nalaformer_xt.pth'
-nalaformer_xt_backbone = dict(
-    _delete_=True,
-    type='NaLaFormer',
-    arch='xt',
-    drop_path_rate=0.1,  # the ImageNet value (the paper has no XT dense row)
-    out_indices=(0, 1, 2, 3),
-    norm_eval=True,  # BatchNorm of the stem / patch merging frozen (2 images per GPU)
-    init_cfg=dict(type='Pretrained', checkpoint=nalaformer_xt_pretrained)
-)
