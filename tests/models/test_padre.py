@@ -56,6 +56,19 @@ def dw_conv_direct(t, kernel, bias, hw, mode):
     return out + (bias if bias is not None else 0)
 
 
+def token_mix_direct(m, t, conv, ab, hw):
+    """The depth-wise token mixing of a PADRe mixer written out: the grid tokens through
+    ``conv``; a class token kept (``identity``) or mixed with the grid mean (``pool``, ``ab``)."""
+    e = m.num_extra_tokens
+    grid = dw_conv_direct(t[:, e:], conv.weight, conv.bias, hw, m.token_mixing)
+    if not e:
+        return grid
+    cls = t[:, :e]
+    if ab is not None:
+        cls = ab[0] * cls + ab[1] * t[:, e:].mean(dim=1, keepdim=True)
+    return torch.cat([cls, grid], dim=1)
+
+
 def direct_padre(m, x, hw):
     """``layout='full'``: Y_i = A_i X B_i, Z_1 = Y_1, Z_{i+1} = (C_i Z_i D_i) ⊙ Y_{i+1}, P = proj(sum_{i>=2} w_i ⊙ Z_i)
     with the module's weights, every step written out (no module code path)."""
@@ -63,13 +76,7 @@ def direct_padre(m, x, hw):
     pool = e > 0 and m.cls_mode == 'pool'
 
     def token_mix(t, conv, ab):
-        grid = dw_conv_direct(t[:, e:], conv.weight, conv.bias, hw, m.token_mixing)
-        if not e:
-            return grid
-        cls = t[:, :e]
-        if pool:
-            cls = ab[0] * cls + ab[1] * t[:, e:].mean(dim=1, keepdim=True)
-        return torch.cat([cls, grid], dim=1)
+        return token_mix_direct(m, t, conv, ab, hw)
 
     ys = []
     for i in range(d):  # Y_i, one degree at a time
@@ -114,13 +121,7 @@ def direct_compact(m, x, hw):
     pool = e > 0 and m.cls_mode == 'pool'
 
     def token_mix(t, conv, ab):
-        grid = dw_conv_direct(t[:, e:], conv.weight, conv.bias, hw, m.token_mixing)
-        if not e:
-            return grid
-        cls = t[:, :e]
-        if pool:
-            cls = ab[0] * cls + ab[1] * t[:, e:].mean(dim=1, keepdim=True)
-        return torch.cat([cls, grid], dim=1)
+        return token_mix_direct(m, t, conv, ab, hw)
 
     def chunk(j):  # X times the j-th (C, C) block of the fused input layer: D_1 (j=0), B_{j+1}
         return x @ m.in_pw.weight[j * C:(j + 1) * C].T + m.in_pw.bias[j * C:(j + 1) * C]
