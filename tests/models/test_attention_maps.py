@@ -151,16 +151,23 @@ def test_nala_softmax_weights_reproduce_forward():
     torch.testing.assert_close(m.gated_output(w @ v, lepe, g), m(x, hw))
 
 
+@pytest.mark.parametrize('position', ['kernel', 'plan'])
 @pytest.mark.parametrize('row_normalize', [True, False])
-def test_setformer_weights_reproduce_forward(row_normalize):
-    m = _mixer(dict(type='SeTAttention', num_refs=8, num_iters=10, row_normalize=row_normalize))
+def test_setformer_weights_reproduce_forward(row_normalize, position):
+    m = _mixer(dict(type='SeTAttention', num_refs=8, num_iters=10, row_normalize=row_normalize,
+                    position=position))
     hw = (4, 5)
     x = _tokens(hw)
     w = m.attention_weights(x, hw)['weights']
     assert w.shape == (2, HEADS, 20, 20)
-    torch.testing.assert_close(w, w.transpose(-1, -2) * (w.sum(-1, keepdim=True) if row_normalize
-                               else 1) / (w.sum(-2, keepdim=True).transpose(-1, -2)
-                               if row_normalize else 1))  # A ∝ T Tᵀ: symmetric up to row scale
+    if position == 'kernel':  # the plan keeps its marginals: T Tᵀ has near-constant row sums
+        torch.testing.assert_close(w, w.transpose(-1, -2) * (
+            w.sum(-1, keepdim=True) if row_normalize else 1) / (
+            w.sum(-2, keepdim=True).transpose(-1, -2) if row_normalize else 1))  # A ∝ T Tᵀ
+    else:  # A = T Tᵀ / its row sums (or times N·m): symmetric once the row scale is undone
+        plan = m.transport_plan(x, hw)
+        a = plan @ plan.transpose(-1, -2)
+        torch.testing.assert_close(w, a / a.sum(-1, keepdim=True) if row_normalize else a * 160)
     v = split_heads(m.v(x), HEADS)
     torch.testing.assert_close(m.proj(merge_heads(w @ v)), m(x, hw))
 

@@ -106,10 +106,12 @@ def test_log_sinkhorn_gradcheck_with_padding():
 
 @pytest.mark.parametrize('autocast', [False, True])
 def test_module_plan_marginals_rows_and_grads(autocast):
-    """Defaults (m=500, eps=0.1, tau=0.5, 30 iterations): relative marginals within 1e-4 in
-    float32 and under bf16 autocast, attention rows sum to 1, gradients finite."""
+    """Defaults (m=500, eps=0.1, tau=0.5, 30 iterations) with the positional term before
+    Sinkhorn (``position='kernel'``, where the plan keeps its marginals): relative marginals within
+    1e-4 in float32 and under bf16 autocast, attention rows sum to 1, gradients finite."""
     torch.manual_seed(0)
-    mod = SeTAttention(32, 2)  # defaults: num_refs=500, eps=0.1, num_iters=30, tau=0.5
+    # defaults: num_refs=500, eps=0.1, num_iters=30, tau=0.5
+    mod = SeTAttention(32, 2, position='kernel')
     x = clustered_tokens(mod, 256, noise=0.3)  # 16×16 grid
     ctx = torch.autocast('cpu', dtype=torch.bfloat16) if autocast else torch.autocast(
         'cpu', enabled=False)
@@ -134,9 +136,29 @@ def test_module_plan_marginals_rows_and_grads(autocast):
     assert mod.refs.grad.abs().sum() > 0
 
 
+def test_default_position_multiplies_the_plan():
+    """The default ``position='plan'`` (the paper's wording): Sinkhorn runs on the Gibbs kernel
+    alone and its plan is then multiplied element-wise by M_ij = exp(-(i/n - j/m)²/τ)."""
+    torch.manual_seed(0)
+    mod = SeTAttention(16, 2, num_refs=6, num_iters=200).double()
+    assert mod.position == 'plan' and mod.tau == 0.5
+    bare = SeTAttention(16, 2, num_refs=6, num_iters=200, tau=None).double()
+    bare.load_state_dict(mod.state_dict())
+    x = torch.randn(2, 12, 16, dtype=torch.float64)
+    n, m = 12, 6
+    i = torch.arange(n, dtype=torch.float64)[:, None] / n
+    j = torch.arange(m, dtype=torch.float64)[None] / m
+    M = torch.exp(-(i - j) ** 2 / 0.5)
+    torch.testing.assert_close(mod.transport_plan(x, (3, 4)), bare.transport_plan(x, (3, 4)) * M,
+                               rtol=1e-12, atol=1e-15)
+    # the rows of the attention still sum to 1 (row normalisation); the columns no longer do
+    A = mod.attention_weights(x, (3, 4))['weights']
+    torch.testing.assert_close(A.sum(-1), torch.ones(2, 2, 12, dtype=torch.float64))
+
+
 def test_padding_mask_finite_and_zero_mass():
     torch.manual_seed(0)
-    mod = SeTAttention(16, 2, num_refs=20)
+    mod = SeTAttention(16, 2, num_refs=20, position='kernel')  # a plan with its marginals
     x = torch.randn(3, 30, 16, requires_grad=True)
     pad = torch.zeros(3, 30, dtype=torch.bool)
     pad[1, 20:] = True
@@ -258,7 +280,7 @@ def test_nystrom_values_match_the_papers_eq5():
     C, h, m, k, hw = 8, 2, 5, 3, (3, 4)
     N, d = hw[0] * hw[1], C // h
     mod = SeTAttention(C, h, num_refs=m, num_iters=300, eps=0.3, tau=0.8, kernel='nystrom',
-                       num_anchors=k, values='nystrom').double()
+                       num_anchors=k, values='nystrom', position='kernel').double()
     assert mod.v is None and mod.proj.in_features == h * k
     x = torch.randn(2, N, C, dtype=torch.float64)
     out = mod(x, hw)

@@ -9,18 +9,20 @@ learnable reference set y_1..y_m::
     S_ij   = k(x_i, y_j)                        kernel similarity (cost C = -S)
              Gaussian on L2-normalised vectors: k = exp((<x̂, ŷ> - 1) / sigma²)
              or its Nyström approximation with k anchors z: k_z(x,z) (K_zz + λI)^-1 k_z(z,y)
-    logK   = S / eps  [+ log M]                 Gibbs kernel; M_ij = exp(-(i/n - j/m)² / tau)
-                                                [3] paper: T ⊙ M after Sinkhorn
-    T      = Sinkhorn(K; rows 1/n, cols 1/m)    entropic OT plan (n×m), log domain
-    A      = n·m · T Tᵀ                         [1] self-kernel of Eq. 4 with x' = x: n×n,
-                                                symmetric, non-negative, doubly stochastic
-                                                (never formed); paper Eq. 3: √m · Tᵀ u(x), m rows
+    logK   = S / eps                            Gibbs kernel
+    T      = Sinkhorn(K; rows 1/n, cols 1/m) ⊙ M
+                                                entropic OT plan (n×m), log domain, times the
+                                                positional term M_ij = exp(-(i/n - j/m)² / tau)
+                                                [3] (position='kernel': log M added to logK)
+    A      = T Tᵀ / T Tᵀ 1                      [1] self-kernel of Eq. 4 with x' = x: n×n,
+                                                non-negative, rows summing to 1 (never formed);
+                                                paper Eq. 3: √m · Tᵀ u(x), m rows
     out    = proj( A V ),  V = W_v x            [2] paper: V = u(x) (Eq. 3) or v(x) (Eq. 5);
                                                 computed right to left: T (Tᵀ V), O(n·m·d)
     y      learnable parameters                 [4] paper: K-means centroids of training features
 
 Interpretations (the paper's formula each replaces, and the switch for the paper's wording where it
-is well defined; the defaults are unchanged and reproduce the checkpoints and tests):
+is well defined; [3] follows the paper's wording by default since version 0.6.0):
 
 [1] **n-token output through T·Tᵀ.** Eq. 3 defines the attention output as
     ``A_y(x) = √m · T(x, y)ᵀ u(x)``, an m×d matrix with one row per reference (the pooled output of
@@ -39,10 +41,11 @@ is well defined; the defaults are unchanged and reproduce the checkpoints and te
     Linear(h·k, C); the cost is then ``<v(x_i), v(y_j)>``, the Nyström kernel of the default path.
 [3] **Positional term before Sinkhorn.** The paper multiplies ``T(v(x), y)`` by M ("performing a
     multiplication of T with a distance matrix M", element-wise: both are n×m) and puts the result
-    into Eq. 5, i.e. after Sinkhorn. By default (``position='kernel'``) M multiplies the Gibbs
-    kernel before Sinkhorn, a cost term, so the plan keeps its marginals (as OTK's first use of its
-    position filter). ``position='plan'`` is the paper's wording (the plan's marginals are then
-    lost and only the row normalisation keeps the attention rows at 1); ``'both'`` is OTK's.
+    into Eq. 5, i.e. after Sinkhorn: the default, ``position='plan'`` (the plan's marginals are
+    then lost and only the row normalisation keeps the attention rows at 1). ``position='kernel'``
+    (the default before version 0.6.0) multiplies the Gibbs kernel before Sinkhorn instead, a cost
+    term, so the plan keeps its marginals (as OTK's first use of its position filter); ``'both'``
+    is OTK's.
 [4] **Learnable references.** The paper's y are "the centroids obtained by conducting K-means
     clustering to feature vectors in the training set". By default the references are learnable
     parameters (in the state dict and the parameter count); ``refs_learnable=False`` makes them
@@ -155,10 +158,10 @@ class SeTAttention(BaseTokenMixer):
             (OTK: 10-100).
         tau (float, optional): positional bandwidth τ of ``M_ij = exp(-(i/n - j/m)²/τ)``. Default
             0.5 (ImageNet; 0.8 COCO / ADE20K). ``None`` disables the positional term.
-        position (str): where M enters: ``'kernel'`` (default: multiplies the Gibbs kernel before
-            Sinkhorn, i.e. a cost term, the plan keeps its marginals), ``'plan'`` (multiplies the
-            plan after Sinkhorn element-wise, the paper's wording, [3] in the module docstring),
-            ``'both'`` (OTK).
+        position (str): where M enters: ``'plan'`` (default: multiplies the plan after Sinkhorn
+            element-wise, the paper's wording, [3] in the module docstring), ``'kernel'``
+            (multiplies the Gibbs kernel before Sinkhorn, i.e. a cost term, the plan keeps its
+            marginals; the default before version 0.6.0), ``'both'`` (OTK).
         kernel (str): ``'gaussian'`` (default: exact κ(t) = exp((t-1)/σ²) on L2-normalised head
             features and references) or ``'nystrom'`` (Nyström approximation through
             ``num_anchors`` learnable anchors, paper Eq. 5).
@@ -201,7 +204,7 @@ class SeTAttention(BaseTokenMixer):
     VALUES = ('linear', 'nystrom')
 
     def __init__(self, embed_dims, num_heads, num_refs=500, eps=0.1, num_iters=30, tau=0.5,
-                 position='kernel', kernel='gaussian', sigma=0.5, num_anchors=64,
+                 position='plan', kernel='gaussian', sigma=0.5, num_anchors=64,
                  nystrom_reg=1e-3, cost_features='x', row_normalize=True, refs_learnable=True,
                  qkv_bias=True, proj_drop=0., fp32=True, num_extra_tokens=0, core='fast',
                  values='linear', init_cfg=None):
