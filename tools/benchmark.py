@@ -147,9 +147,9 @@ def official_pola_forward(self, x, hw_shape):
     opposite-signed streams each with their own GEMMs, normaliser and ``n^-1/2`` rescaling, cat,
     head-shared depth-wise conv on V (NCHW), gate, proj. Uses ``self``'s weights."""
     if self.num_extra_tokens or self.gate_type != 'dynamic' or not self.temperature \
-            or not self.use_pos_enc:
-        raise NotImplementedError('official forward: dynamic gate, temperature, PE, no class '
-                                  'tokens only')
+            or not self.use_pos_enc or not self.use_dwc:
+        raise NotImplementedError('official forward: dynamic gate, temperature, PE, the conv '
+                                  'term, no class tokens only')
     B, N, C = x.shape
     H, W = hw_shape
     h = self.num_heads

@@ -12,13 +12,14 @@
 # were not available; only its 30 epochs are confirmed. The head is trained anew (the backbone
 # is loaded from the 224 checkpoint; the official fine-tune also keeps the head).
 _base_ = ['./pola-swin-s_in1k.py']
-pola_attn = dict(type='PolaLinearAttention', qkv_layout='qkvg', alpha=4, kernel_size=5)
-pola_swin_s_pretrained = 'checkpoints/pola_swin_s.pth'  # the 224 model: official Pola-Swin-S weights (HuggingFace ZachMeng/PolaFormer; no URL verified) or a pola-swin-s_in1k run
+# the 224 model: official Pola-Swin-S weights (HuggingFace ZachMeng/PolaFormer; no URL verified) or
+# a pola-swin-s_in1k run
+pola_swin_s_pretrained = 'checkpoints/pola_swin_s.pth'
 model = dict(
     backbone=dict(
         pretrain_img_size=384,
         attn_cfg=[
-            pola_attn, pola_attn,
+            {{_base_.pola_attn}}, {{_base_.pola_attn}},
             dict(type='WindowSoftmaxAttention', window_size=12),
             dict(type='WindowSoftmaxAttention', window_size=12, shift=False),
         ],

@@ -8,5 +8,5 @@ _base_ = ['./mask-rcnn_setformer-t_fpn_ms-crop-3x_coco.py']
 model = dict(
     backbone=dict(
         arch='b', drop_path_rate=0.5,
-        init_cfg=dict(type='Pretrained', checkpoint='checkpoints/setformer_b.pth')),
+        init_cfg=dict(type='Pretrained', checkpoint={{_base_.setformer_b_pretrained}})),
     neck=dict(in_channels=[128, 256, 512, 1024]))

@@ -7,5 +7,5 @@ _base_ = ['./mask-rcnn_setformer-t_fpn_ms-crop-3x_coco.py']
 model = dict(
     backbone=dict(
         arch='m', drop_path_rate=0.2,
-        init_cfg=dict(type='Pretrained', checkpoint='checkpoints/setformer_m.pth')),
+        init_cfg=dict(type='Pretrained', checkpoint={{_base_.setformer_m_pretrained}})),
     neck=dict(in_channels=[64, 128, 256, 512]))

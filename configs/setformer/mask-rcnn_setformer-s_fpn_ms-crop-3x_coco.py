@@ -9,5 +9,5 @@ _base_ = ['./mask-rcnn_setformer-t_fpn_ms-crop-3x_coco.py']
 model = dict(
     backbone=dict(
         arch='s', drop_path_rate=0.3,
-        init_cfg=dict(type='Pretrained', checkpoint='checkpoints/setformer_s.pth')),
+        init_cfg=dict(type='Pretrained', checkpoint={{_base_.setformer_s_pretrained}})),
     neck=dict(in_channels=[96, 192, 384, 768]))

@@ -9,6 +9,6 @@ _base_ = ['./upernet_setformer-t_8xb2-160k_ade20k-512x512.py']
 model = dict(
     backbone=dict(
         arch='b', drop_path_rate=0.5,
-        init_cfg=dict(type='Pretrained', checkpoint='checkpoints/setformer_b.pth')),
+        init_cfg=dict(type='Pretrained', checkpoint={{_base_.setformer_b_pretrained}})),
     decode_head=dict(in_channels=[128, 256, 512, 1024]),
     auxiliary_head=dict(in_channels=512))

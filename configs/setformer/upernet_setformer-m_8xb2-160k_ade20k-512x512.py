@@ -8,6 +8,6 @@ _base_ = ['./upernet_setformer-t_8xb2-160k_ade20k-512x512.py']
 model = dict(
     backbone=dict(
         arch='m', drop_path_rate=0.2,
-        init_cfg=dict(type='Pretrained', checkpoint='checkpoints/setformer_m.pth')),
+        init_cfg=dict(type='Pretrained', checkpoint={{_base_.setformer_m_pretrained}})),
     decode_head=dict(in_channels=[64, 128, 256, 512]),
     auxiliary_head=dict(in_channels=256))

@@ -8,6 +8,6 @@ _base_ = ['./upernet_setformer-t_8xb2-160k_ade20k-512x512.py']
 model = dict(
     backbone=dict(
         arch='s', drop_path_rate=0.3,
-        init_cfg=dict(type='Pretrained', checkpoint='checkpoints/setformer_s.pth')),
+        init_cfg=dict(type='Pretrained', checkpoint={{_base_.setformer_s_pretrained}})),
     decode_head=dict(in_channels=[96, 192, 384, 768]),
     auxiliary_head=dict(in_channels=384))

@@ -203,4 +203,6 @@ class NormAwareLinearAttentionTriton(_TritonCore, NormAwareLinearAttention):
             return f"the Triton core runs the official kernel (kernel='{module.kernel}')"
         if module.query_power is not None:
             return 'the Triton core runs the norm-aware power'
+        if module.lepe is None:
+            return 'the Triton form runs the official layer with its LePE'
         return None

@@ -238,13 +238,16 @@ TABLE = {
     'python tools/benchmark.py --mode train pola-pvt-t pvt-t linattn-pvt-t --sizes 512x832 800x1344 '
     '--threads 1 --warmup 1 --repeats 5 --compare pvt-t pola-pvt-t:linattn-pvt-t':
         Run('benchmark_train_pvt', '--sizes 64x96 96x128 --warmup 0 --repeats 1'),
-    "python tools/benchmark.py --mode train configs/polaformer/mask-rcnn_pola-swin-t_fpn_1x_coco.py "
-    "'mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py' --part model --sizes 800x1344 --threads 1 "
-    "--warmup 1 --repeats 3 --compare 'mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'":
+    "python tools/benchmark.py --mode train "
+    "configs/polaformer/mask-rcnn_pola-swin-t_fpn_1x_coco.py "
+    "'mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py' --part model --sizes 800x1344 "
+    "--threads 1 --warmup 1 --repeats 3 "
+    "--compare 'mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'":
         Run('benchmark_train_mask_rcnn', '--sizes 128x192 --warmup 0 --repeats 1'),
     'python tools/benchmark.py --mode train pola-pvt-t pola-swin-t nalaformer-t-linear '
-    'configs/padre/mask-rcnn_padre-swin-t_fpn_1x_coco.py configs/poly/mask-rcnn_poly-pvt-t_fpn_1x_coco.py '
-    '--sizes 1024 2048 --threads 1 --warmup 0 --repeats 1':
+    'configs/padre/mask-rcnn_padre-swin-t_fpn_1x_coco.py '
+    'configs/poly/mask-rcnn_poly-pvt-t_fpn_1x_coco.py --sizes 1024 2048 --threads 1 --warmup 0 '
+    '--repeats 1':
         Run('benchmark_train_scale', '--sizes 64 96'),
     'python tools/benchmark.py --mode train configs/setformer/mask-rcnn_setformer-t_fpn_1x_coco.py '
     '--sizes 512 1024 --threads 1 --warmup 0 --repeats 1':

@@ -164,8 +164,13 @@ def test_setformer_weights_reproduce_forward(row_normalize, position):
         torch.testing.assert_close(w, w.transpose(-1, -2) * (
             w.sum(-1, keepdim=True) if row_normalize else 1) / (
             w.sum(-2, keepdim=True).transpose(-1, -2) if row_normalize else 1))  # A ∝ T Tᵀ
-    else:  # A = T Tᵀ / its row sums (or times N·m): symmetric once the row scale is undone
-        plan = m.transport_plan(x, hw)
+    else:  # A = T Tᵀ / its row sums (or times N·m), T the plan without M times M_ij
+        bare = _mixer(dict(type='SeTAttention', num_refs=8, num_iters=10, tau=None,
+                           row_normalize=row_normalize))
+        bare.load_state_dict(m.state_dict())
+        i = torch.arange(20, dtype=x.dtype)[:, None] / 20
+        j = torch.arange(8, dtype=x.dtype)[None] / 8
+        plan = bare.transport_plan(x, hw) * torch.exp(-(i - j) ** 2 / m.tau)
         a = plan @ plan.transpose(-1, -2)
         torch.testing.assert_close(w, a / a.sum(-1, keepdim=True) if row_normalize else a * 160)
     v = split_heads(m.v(x), HEADS)

@@ -164,3 +164,30 @@ def test_get_model_gives_a_converted_frozen_model_or_a_trainable_plain_one():
     t = linattn_mm.get_model('pola-pvt-t_in1k', convert=False)
     assert deploy.converted_modules(t) == {} and all(p.requires_grad for p in t.parameters())
     t.train()(torch.randn(2, 3, 64, 64), mode='tensor').sum().backward()
+
+
+@pytest.mark.parametrize('kw,reason', [
+    (dict(kernel='paper'), "official kernel (kernel='paper')"),
+    (dict(query_power=2.), 'norm-aware power'),
+    (dict(use_lepe=False), 'LePE'),
+])
+def test_nala_settings_without_an_inference_form_keep_the_training_form(kw, reason):
+    """The paper's form of a NaLa mixer (another kernel, a constant power, no LePE) has neither the
+    chunked CPU nor the Triton form: both name the setting, and conversion leaves the mixer as it
+    is (its training form, which the tests of the paper's form check)."""
+    from linattn_mm.deploy.mixers import (NormAwareLinearAttentionCPU,
+                                          NormAwareLinearAttentionTriton)
+    from linattn_mm.models.attentions.nala import NormAwareLinearAttention
+    m = NormAwareLinearAttention(32, 2, **kw)
+    for form in (NormAwareLinearAttentionCPU, NormAwareLinearAttentionTriton):
+        assert reason in form.unsupported(m), form
+    plain = NormAwareLinearAttention(32, 2)
+    assert NormAwareLinearAttentionCPU.unsupported(plain) is None
+    assert NormAwareLinearAttentionTriton.unsupported(plain) is None
+    net = torch.nn.Sequential(m).eval()
+    x = torch.randn(1, 6 * 5, 32)
+    with torch.no_grad():
+        want = m(x, (6, 5))
+        deploy.convert(net, 'cpu')
+        assert type(net[0]) is NormAwareLinearAttention
+        torch.testing.assert_close(net[0](x, (6, 5)), want, rtol=0, atol=0)

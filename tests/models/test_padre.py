@@ -70,8 +70,9 @@ def token_mix_direct(m, t, conv, ab, hw):
 
 
 def direct_padre(m, x, hw):
-    """``layout='full'``: Y_i = A_i X B_i, Z_1 = Y_1, Z_{i+1} = (C_i Z_i D_i) ⊙ Y_{i+1}, P = proj(sum_{i>=2} w_i ⊙ Z_i)
-    with the module's weights, every step written out (no module code path)."""
+    """``layout='full'``: Y_i = A_i X B_i, Z_1 = Y_1, Z_{i+1} = (C_i Z_i D_i) ⊙ Y_{i+1},
+    P = proj(sum_{i>=2} w_i ⊙ Z_i) with the module's weights, every step written out (no module
+    code path)."""
     C, d, e = m.embed_dims, m.degree, m.num_extra_tokens
     pool = e > 0 and m.cls_mode == 'pool'
 
@@ -255,14 +256,13 @@ def _deit_t_figures(degree, layout='full'):
     return params, macs, m
 
 
-# Paper, Table 2 (PADRe-DeiT-T): degree -> (GFLOPs, M params). Measured here (FlopCounterMode,
+# Paper, Table 2 (PADRe-DeiT-T): degree -> (GFLOPs, M params). The full layout (layout='full':
+# 2d point-wise layers and 2d-1 depth-wise 11x11 convs per mixer), measured here (FlopCounterMode,
 # 224x224, head included): degree 2: 1.239 GMACs, 6.577M params; degree 3: 1.522 GMACs, 8.040M.
-# Tolerances: FLOPs within 15% of the paper's figure (the per-degree module count is not stated in
-# the paper; the spec's instance, 2d point-wise layers and 2d-1 depth-wise 11x11 convs per mixer,
-# is +3% at degree 2 and -10% at degree 3). Parameters are NOT within a tolerance of the paper:
-# this instance has 6.58M / 8.04M against the paper's 5M / 7M (a known gap, documented in
-# docs/model_zoo/padre.md: the paper does not specify its per-degree modules); they are printed
-# next to the paper's and pinned exactly below.
+# Its FLOPs are within 15% of the paper's (+3% at degree 2, -10% at degree 3); its parameters are
+# not (6.58M / 8.04M against the paper's 5M / 7M) and are pinned exactly below. The compact layout
+# (the default) has the paper's parameters and Table 6's FLOPs, and 13-20% fewer MACs than Table 2
+# gives ("Readings tried" in docs/model_zoo/padre.md); its counts are pinned further below.
 PAPER_DEIT_T = {2: (1.2, 5), 3: (1.7, 7)}
 FLOP_RTOL = 0.15
 

@@ -156,17 +156,42 @@ def test_default_position_multiplies_the_plan():
     torch.testing.assert_close(A.sum(-1), torch.ones(2, 2, 12, dtype=torch.float64))
 
 
-def test_padding_mask_finite_and_zero_mass():
+@pytest.mark.parametrize('autocast', [False, True])
+def test_default_plan_position_rows_and_grads(autocast):
+    """The default ``position='plan'`` at the default sizes (m=500, 30 iterations), in float32
+    and under bf16 autocast: float32 output, attention rows sum to 1, gradients finite."""
     torch.manual_seed(0)
-    mod = SeTAttention(16, 2, num_refs=20, position='kernel')  # a plan with its marginals
+    mod = SeTAttention(32, 2)
+    x = clustered_tokens(mod, 256, noise=0.3)  # 16×16 grid
+    ctx = torch.autocast('cpu', dtype=torch.bfloat16) if autocast else torch.autocast(
+        'cpu', enabled=False)
+    with ctx:
+        T = mod.transport_plan(x.bfloat16() if autocast else x, (16, 16))
+        assert T.dtype == torch.float32 and (T >= 0).all()
+        xg = x.clone().requires_grad_()
+        y = mod(xg, (16, 16))
+        assert y.dtype == torch.float32
+        y.square().sum().backward()
+    A = self_transport_attention(T[0], torch.eye(256).expand(2, 256, 256))
+    assert (A >= 0).all()
+    torch.testing.assert_close(A.sum(-1), torch.ones(2, 256), rtol=0, atol=1e-5)
+    assert torch.isfinite(xg.grad).all() and xg.grad.abs().sum() > 0
+    assert mod.refs.grad is not None and mod.refs.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize('position', ['kernel', 'plan'])
+def test_padding_mask_finite_and_zero_mass(position):
+    torch.manual_seed(0)
+    mod = SeTAttention(16, 2, num_refs=20, position=position)
     x = torch.randn(3, 30, 16, requires_grad=True)
     pad = torch.zeros(3, 30, dtype=torch.bool)
     pad[1, 20:] = True
     pad[2] = True  # fully padded sample: zero attention output, no NaN
     T = mod.transport_plan(x, (5, 6), key_padding_mask=pad)
     assert (T[1, :, 20:] == 0).all()
-    r, c = rel_marginal_errors(T[1, :, :20], 20, 20)
-    assert r < 1e-4 and c < 1e-4
+    if position == 'kernel':  # the plan keeps its marginals
+        r, c = rel_marginal_errors(T[1, :, :20], 20, 20)
+        assert r < 1e-4 and c < 1e-4
     y = mod(x, (5, 6), key_padding_mask=pad)
     assert torch.isfinite(y).all()
     torch.testing.assert_close(y[1, 20:], mod.proj.bias.expand(10, 16))  # proj(0)
@@ -228,10 +253,12 @@ def dense_set(mod, x, hw, pad=None, iters=300):
 
 @pytest.mark.parametrize('cfg,masked', [
     (dict(tau=None), False),
-    (dict(tau=0.5), False),
-    (dict(tau=0.8, eps=0.3), True),
+    (dict(tau=0.5, position='kernel'), False),
+    (dict(tau=0.8, eps=0.3, position='kernel'), True),
+    (dict(tau=0.8, eps=0.3), True),  # the default position, 'plan'
     (dict(tau=0.5, position='plan'), False),
     (dict(tau=0.5, position='both'), True),
+    (dict(tau=0.5, row_normalize=False, position='kernel'), True),
     (dict(tau=0.5, row_normalize=False), True),
 ])
 def test_block_float64_matches_dense(cfg, masked):

@@ -10,6 +10,10 @@ _base_ = ['../../_base_/safe_checkpoints.py']  # runner checkpoints load with th
 # ImageNet-1k SeTformer-T weights. There are no public ones (no official code): train
 # configs/setformer/setformer-t_in1k.py and put the file here.
 setformer_t_pretrained = 'checkpoints/setformer_t.pth'
+# M / S / B (the dense configs of those sizes take the T backbones with their arch and these)
+setformer_m_pretrained = 'checkpoints/setformer_m.pth'
+setformer_s_pretrained = 'checkpoints/setformer_s.pth'
+setformer_b_pretrained = 'checkpoints/setformer_b.pth'
 
 setformer_t_coco_backbone = dict(
     _delete_=True,

@@ -122,8 +122,11 @@ class NaLaMixerBase(BaseTokenMixer):
                       rope_base, use_lepe=True):
         if lepe_kernel_size % 2 != 1:
             raise ValueError(f'lepe_kernel_size must be odd, got {lepe_kernel_size}')
+        if not isinstance(use_lepe, bool):
+            raise TypeError(f'{type(self).__name__}: use_lepe must be True or False, '
+                            f'got {use_lepe!r}')
         self.qkvg = nn.Linear(embed_dims, embed_dims * 4, bias=qkv_bias)
-        self.use_lepe = bool(use_lepe)
+        self.use_lepe = use_lepe
         # without LePE there is no `lepe` module (and no `lepe.*` state-dict keys)
         self.lepe = nn.Conv2d(embed_dims, embed_dims, lepe_kernel_size, 1, lepe_kernel_size // 2,
                               groups=embed_dims) if self.use_lepe else None

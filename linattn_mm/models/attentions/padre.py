@@ -53,8 +53,8 @@ Class tokens (``num_extra_tokens > 0``, DeiT), ``cls_mode``:
 * ``'pool'`` (default): the token mixings (A_i / C_i) act on a class-token row as
   ``alpha ⊙ t_cls + beta ⊙ mean_grid(t)`` (per-channel learnable ``alpha``, ``beta``, one pair per
   token conv, initialised to 1: ``cls_z`` for the C_i, ``cls_y`` for the A_i of ``'full'``): the
-  class token sees the (global average of the) grid, the grid does not see the class token. Still linear in X, so Z_i stays a homogeneous degree-i polynomial;
-  cost O(N). Grid tokens are mixed by the k×k convs only.
+  class token sees the (global average of the) grid, the grid does not see the class token. Still
+  linear in X, so Z_i stays a homogeneous degree-i polynomial; cost O(N). Grid tokens are mixed by the k×k convs only.
 * ``'identity'``: A_i / C_i are the identity on class tokens (they get only the channel mixings and
   products of their own features; use a pooled readout then, e.g. ``out_type='avg_featmap'``).
 

@@ -7,8 +7,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ['rotate_every_two', 'apply_rope', 'query_power_of', 'nala_feature_maps', 'nala_attention_reference',
-           'nala_weights_reference', 'KERNELS']
+__all__ = ['rotate_every_two', 'apply_rope', 'query_power_of', 'nala_feature_maps',
+           'nala_attention_reference', 'nala_weights_reference', 'KERNELS']
 
 #: the two feature maps: the official code's ReLU sign split and the paper's cos/sin map
 KERNELS = ('official', 'paper')

@@ -85,9 +85,10 @@ def positional_log_kernel(hw_shape, num_refs, tau, num_extra_tokens=0, device=No
     """log M with ``M_ij = exp(-(i/n - j/m)² / tau)`` (paper §SeT, "linear positional encoding").
 
     ``i`` is the row-major (raster) index of a grid token, ``n = H·W``, ``j`` the reference index,
-    both 0-based. Extra (class) tokens have no position: their rows are 0 (M = 1). The paper multiplies
-    the plan by M after Sinkhorn (``position='plan'``); by default log M is added to the log Gibbs
-    kernel before it (reading [3] in :mod:`linattn_mm.models.attentions.setformer`).
+    both 0-based. Extra (class) tokens have no position: their rows are 0 (M = 1). The paper
+    multiplies the plan by M after Sinkhorn (``position='plan'``, the default); ``'kernel'`` adds
+    log M to the log Gibbs kernel before it (reading [3] in
+    :mod:`linattn_mm.models.attentions.setformer`).
 
     Returns:
         Tensor (num_extra_tokens + H·W, num_refs).
