@@ -270,6 +270,11 @@ TABLE = {
             '(the demo overlay sets init_cfg=None) and those of short_run_options; its pretrained '
             "file checkpoints/swin_tiny_patch4_window7_224.pth is {'model': swin-t backbone state "
             "dict} written by the test; tools/train.py by absolute path"),
+    # ---- docs/model_zoo/padre.md
+    'python tools/padre_readings.py':
+        Run('padre_readings', '--json tmp/readings.json appended (all rows and degrees: about '
+            '10 s); the compact / full PADRe-DeiT-T parameters pinned in '
+            'tests/models/test_padre.py, the compact Table 6 figures and the scan are checked'),
 }
 
 # ------------------------------------------------------------------------------------------------
@@ -553,6 +558,27 @@ def case_fidelity_report(sh, tmp_path):
     assert text.startswith('# Fidelity report')
     assert '| Config | Paper | Params (M) here / paper |' in text
     assert '| `configs/swin/swin-t_in1k.py` | Swin | 28.29 / 28.3 |' in text
+
+
+def case_padre_readings(sh, tmp_path):
+    import json
+    cmd = 'python tools/padre_readings.py'
+    js = tmp_path / 'readings.json'
+    out = sh(cmd, doc_argv(cmd, append=['--json', str(js)]))
+    readings = {r['reading'].split(':')[0]: r for r in json.loads(js.read_text())['readings']}
+    # PADRe-2 DeiT-T, as pinned in tests/models/test_padre.py (COMPACT_PARAMS, the full layout's
+    # expect of test_deit_t_params_and_flops_next_to_paper)
+    compact, full = readings['compact (default)'], readings['full (previous default)']
+    assert compact['params']['T-2'] == 5_558_440
+    assert full['params']['T-2'] == 6_576_808
+    assert compact['table6_macs']['2'] == 548_143_104
+    # docs/model_zoo/padre.md: compact is the only reading that fits; Table 6 as 2 x MACs: 1.10
+    row = re.search(r'^\| compact \(default\).*$', out, re.M).group(0).split(' | ')
+    assert row[2] == '5.56 / 7.18 / 20.85 / 26.74 / 80.62', row
+    assert re.fullmatch(r'[\d. /]+ \((\S+) / [\d. /]+\)', row[3]).group(1) == '1.10', row
+    assert row[4] == 'yes |', row
+    assert 'Table 6 as 2 × MACs: P = 3(d−1), Q = d−1, ratio 4\n' in out, out[-3000:]
+    assert 'Table 6 as MACs: none\n' in out, out[-3000:]
 
 
 def case_browse_dataset(sh, tmp_path):
