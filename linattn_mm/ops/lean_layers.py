@@ -26,9 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .common import linear_into
+from .common import add_or_take, linear_into, token_chunk_rows
 
-__all__ = ['DepthwiseConvTokens', 'GatedLinear', 'NormGatedLinear', 'SplitLinear', 'split_linear',
+__all__ = ['DepthwiseConvTokens', 'depthwise_conv_tokens', 'GatedLinear', 'NormGatedLinear',
+           'SplitLinear', 'split_linear',
            'GatherTokens', 'recomputed', 'conv_band_rows', 'CONV_BAND_ELEMENTS', 'MIN_BAND_ROWS', 'MAX_BAND_ROWS']
 
 
@@ -165,36 +166,17 @@ class DepthwiseConvTokens(torch.autograd.Function):
         return dv, None, _to(dw, weight), _to(db, weight), None, None
 
 
-#: tokens per chunk of :class:`GatedLinear` and :class:`SplitLinear` on CPU:
-#: ``TOKEN_CHUNK_ELEMENTS // C``, at least ``TOKEN_MIN_ROWS`` (each chunk adds a rank-``rows``
-#: update to the weight gradient)
-TOKEN_CHUNK_ELEMENTS = 2 ** 18
-TOKEN_MIN_ROWS = 1024
-
-
-def _token_rows(t, rows=None):
-    """Tokens per chunk of :class:`GatedLinear` / :class:`SplitLinear` for (..., C) inputs like
-    ``t``: ``rows`` if given;
-    on CPU in float32 / float64 without autocast by :data:`TOKEN_CHUNK_ELEMENTS`; else all."""
-    tokens = max(t.numel() // max(t.shape[-1], 1), 1)
-    if rows is None:
-        if (t.device.type != 'cpu' or t.dtype not in (torch.float32, torch.float64)
-                or torch.is_autocast_enabled('cpu')):
-            return tokens
-        rows = max(TOKEN_MIN_ROWS, TOKEN_CHUNK_ELEMENTS // max(t.shape[-1], 1))
-    return max(1, min(tokens, rows))
-
-
 class GatedLinear(torch.autograd.Function):
-    """``linear(s * g, weight, bias)``, over chunks of tokens on CPU (:func:`_token_rows`): the
-    product ``s * g`` and the gradient ``grad @ weight`` are made one chunk at a time."""
+    """``linear(s * g, weight, bias)``, over chunks of tokens on CPU
+    (:func:`~linattn_mm.ops.common.token_chunk_rows`): the product ``s * g`` and the gradient
+    ``grad @ weight`` are made one chunk at a time."""
 
     @staticmethod
     def forward(ctx, s, g, weight, bias, rows=None):
         C = s.shape[-1]
         s2, g2 = s.reshape(-1, C), g.reshape(-1, C)
         T = s2.shape[0]
-        step = _token_rows(s, rows)
+        step = token_chunk_rows('GatedLinear', s, s.shape[-1], rows)
         out = None
         for i in range(0, T, step):
             o = F.linear(s2[i:i + step] * g2[i:i + step], weight, bias)
@@ -232,11 +214,9 @@ class GatedLinear(torch.autograd.Function):
                     torch.mul(u, s_c, out=dg[i:i + step])
                 del u
             if need[2]:
-                part = gr.t() @ (s_c * g_c)
-                dw = part if dw is None else dw.add_(part)
+                dw = add_or_take(dw, gr.t() @ (s_c * g_c))
             if ctx.has_bias and need[3]:
-                part = gr.sum(0)
-                db = part if db is None else db.add_(part)
+                db = add_or_take(db, gr.sum(0))
         return (None if ds is None else ds.view(s.shape),
                 None if dg is None else dg.view(g.shape), _to(dw, weight), _to(db, weight), None)
 
@@ -276,7 +256,7 @@ class SplitLinear(torch.autograd.Function):
     """``linear(x, weight, bias)`` split into ``parts`` equal chunks of the last dim (views of
     one output). The backward adds ``grad_i @ W_i`` over the parts that got a gradient and writes
     each part's weight and bias gradient into its rows. On CPU both run over chunks of tokens
-    (:func:`_token_rows`): a chunk's GEMMs work in cache (about 15 % faster than over the whole map
+    (:func:`~linattn_mm.ops.common.token_chunk_rows`): a chunk's GEMMs work in cache (about 15 % faster than over the whole map
     at the widths of a Swin-T stage 1)."""
 
     @staticmethod
@@ -284,7 +264,7 @@ class SplitLinear(torch.autograd.Function):
         C_in = x.shape[-1]
         x2 = x.reshape(-1, C_in)
         T = x2.shape[0]
-        step = _token_rows(x, rows)
+        step = token_chunk_rows('SplitLinear', x, x.shape[-1], rows)
         if step >= T:
             y = F.linear(x2, weight, bias)
         else:  # (CPU, float32 / float64, no autocast) each chunk written in place
@@ -336,9 +316,24 @@ class SplitLinear(torch.autograd.Function):
         return dx, _to(dw, weight), _to(db, weight), None, None
 
 
-def split_linear(x, linear, parts):
-    """:class:`SplitLinear` with the parameters of ``linear``: a tuple of ``parts`` tensors."""
-    return SplitLinear.apply(x, linear.weight, linear.bias, parts)
+def split_linear(x, linear, parts, lean=True):
+    """``linear(x)`` as a tuple of ``parts`` equal chunks of the last dim: through
+    :class:`SplitLinear` (``lean``, the training form) or plain autograd (the reference)."""
+    if lean:
+        return SplitLinear.apply(x, linear.weight, linear.bias, parts)
+    return linear(x).unflatten(-1, (parts, -1)).unbind(-2)
+
+
+def depthwise_conv_tokens(v, hw_shape, weight, bias, padding, lean=True):
+    """The depth-wise conv of (B, H*W, C) tokens on their grid, as (B, H*W, C) tokens: through
+    :class:`DepthwiseConvTokens` (``lean``, the training form: keeps no copy of the map) or plain
+    autograd of ``conv2d`` on the channels-last view of the tokens (the reference)."""
+    if lean:
+        return DepthwiseConvTokens.apply(v, tuple(hw_shape), weight, bias, padding)
+    B, N, C = v.shape
+    H, W = hw_shape
+    grid = v.reshape(B, H, W, C).permute(0, 3, 1, 2)  # channels-last strides, no copy
+    return F.conv2d(grid, weight, bias, padding=padding, groups=C).flatten(2).transpose(1, 2)
 
 
 class GatherTokens(torch.autograd.Function):

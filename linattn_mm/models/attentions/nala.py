@@ -64,12 +64,11 @@ import torch.nn.functional as F
 
 from linattn_mm.ops.common import core_dtype, no_autocast
 from linattn_mm.ops.dispatch import check_core
-from linattn_mm.ops.lean_layers import DepthwiseConvTokens, NormGatedLinear, split_linear
+from linattn_mm.ops.lean_layers import NormGatedLinear, depthwise_conv_tokens, split_linear
 from linattn_mm.ops.nala import (KERNELS, apply_rope, nala_attention, nala_feature_maps,
                                  nala_weights_reference)
 from linattn_mm.registry import ATTENTIONS
 from .base import BaseTokenMixer
-from ..utils.grid import nchw_to_nlc, nlc_to_nchw
 
 __all__ = ['RoPE2d', 'apply_rope', 'NaLaMixerBase', 'NormAwareLinearAttention',
            'NaLaSoftmaxAttention']
@@ -158,26 +157,20 @@ class NaLaMixerBase(BaseTokenMixer):
         the core dtype (float32; float64 stays), the LePE conv with autocast off."""
         B, N, C = x.shape
         h, d = self.num_heads, self.head_dims
-        if self.core != 'reference':  # its backward does not stack the chunks' gradients
-            q, k, v, g = (t.to(core_dtype(x)) for t in split_linear(x, self.qkvg, 4))
-        else:
-            q, k, v, g = self.qkvg(x).to(core_dtype(x)).view(B, N, 4, C).unbind(2)
+        # the training form's backward does not stack the chunks' gradients
+        q, k, v, g = (t.to(core_dtype(x)) for t in split_linear(
+            x, self.qkvg, 4, lean=self.core != 'reference'))
         lepe = None if self.lepe is None else self._lepe(v, hw_shape, x.device)
         q, k, v = (t.reshape(B, N, h, d).transpose(1, 2) for t in (q, k, v))
         return q, k, v, g, lepe
 
     def _lepe(self, v, hw_shape, device):
         """The LePE term of the (B, N, C) values, the conv with autocast off."""
-        C = v.shape[-1]
         with no_autocast(device):
             w = self.lepe.weight.to(v.dtype)
             b = None if self.lepe.bias is None else self.lepe.bias.to(v.dtype)
-            if self.core != 'reference':
-                lepe = DepthwiseConvTokens.apply(v, tuple(hw_shape), w, b, self.lepe.padding)
-            else:
-                lepe = nchw_to_nlc(F.conv2d(nlc_to_nchw(v, hw_shape), w, b, 1,
-                                            self.lepe.padding, 1, C))
-        return lepe
+            return depthwise_conv_tokens(v, hw_shape, w, b, self.lepe.padding,
+                                         lean=self.core != 'reference')
 
     def _rope(self, hw_shape, rope, dtype, device):
         """``(sin, cos)`` of the RoPE (the stage's shared one, or this mixer's own), or Nones."""

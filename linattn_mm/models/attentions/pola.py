@@ -59,7 +59,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from linattn_mm.ops.dispatch import check_core
-from linattn_mm.ops.lean_layers import DepthwiseConvTokens, GatedLinear, split_linear
+from linattn_mm.ops.lean_layers import GatedLinear, depthwise_conv_tokens, split_linear
 from linattn_mm.ops.pola import polarity_attention, polarity_weights_reference
 from linattn_mm.registry import ATTENTIONS
 from ..utils.grid import nchw_to_nlc, nlc_to_nchw, resize_grid_embed
@@ -272,9 +272,7 @@ class PolaLinearAttention(BaseTokenMixer):
         """``linear(x)`` in ``parts`` chunks of C channels (through
         :class:`~linattn_mm.ops.lean_layers.SplitLinear` unless ``core='reference'``: its
         backward does not stack the chunks' gradients)."""
-        if self.core != 'reference':
-            return split_linear(x, linear, parts)
-        return linear(x).unflatten(-1, (parts, self.embed_dims)).unbind(-2)
+        return split_linear(x, linear, parts, lean=self.core != 'reference')
 
     def _project(self, x, hw_shape):
         """q (B,N,C), k/v (B,n,C), g (B,N,C) or None, and the K/V grid."""
@@ -310,10 +308,9 @@ class PolaLinearAttention(BaseTokenMixer):
         w = self.dwc.weight.repeat(self.num_heads, 1, 1, 1)
         b = None if self.dwc.bias is None else self.dwc.bias.repeat(self.num_heads)
         w, b = w.to(v.dtype), None if b is None else b.to(v.dtype)
-        if self.core != 'reference':  # keeps no copy of the map for backward
-            return DepthwiseConvTokens.apply(v, (H, W), w, b, self.dwc.padding)
-        grid = nlc_to_nchw(v, (H, W)).contiguous(memory_format=torch.channels_last)
-        return nchw_to_nlc(F.conv2d(grid, w, b, padding=self.dwc.padding, groups=C))
+        # the training form keeps no copy of the map for backward
+        return depthwise_conv_tokens(v, (H, W), w, b, self.dwc.padding,
+                                     lean=self.core != 'reference')
 
     def attend(self, q, k, v, k_bias=None):
         """The core on (B, N, C) / (B, n, C) tokens (temperature, feature maps, the two
@@ -351,13 +348,11 @@ class PolaLinearAttention(BaseTokenMixer):
         q, k, v, g, kv_hw = self._project(x, hw_shape)
         out = self.attend(q, k, v, self.k_bias(kv_hw))
         e = self.num_extra_tokens
-        conv = self.conv_term(v, hw_shape)
-        if conv is None:  # use_dwc=False: the polarity streams alone
-            pass
-        elif e:  # class tokens take no conv term
-            out = torch.cat([out[:, :e], out[:, e:] + conv.to(out.dtype)], dim=1)
-        else:
-            out = out + conv.to(out.dtype)
+        conv = self.conv_term(v, hw_shape)  # None with use_dwc=False: the polarity streams alone
+        if conv is not None:
+            conv = conv.to(out.dtype)
+            # class tokens take no conv term
+            out = torch.cat([out[:, :e], out[:, e:] + conv], dim=1) if e else out + conv
         if g is not None and self.core != 'reference':  # keeps out and g, not their product
             return self.proj_drop(GatedLinear.apply(out, g, self.proj.weight, self.proj.bias))
         if g is not None:

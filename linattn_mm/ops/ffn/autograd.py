@@ -16,10 +16,9 @@ its input's dtype.
 import torch
 import torch.nn.functional as F
 
-from ..common import linear_into
+from ..common import add_or_take, linear_into, token_chunk_rows
 
-__all__ = ['FFNBranch', 'ConvFFNBranch', 'ffn_branch', 'conv_ffn_branch', 'FFN_CHUNK_ELEMENTS',
-           'ffn_chunk_rows']
+__all__ = ['FFNBranch', 'ConvFFNBranch', 'ffn_branch', 'conv_ffn_branch']
 
 
 def _layer_norm(x, weight, bias, eps):
@@ -49,43 +48,12 @@ def _ln_backward(ctx, dn, x, ln_w, ln_b, mean, rstd, first):
     return dx, dlw, dlb
 
 
-#: elements of one chunk's hidden activation in :class:`FFNBranch` on CPU (rows =
-#: ``FFN_CHUNK_ELEMENTS // hidden`` tokens): the activation, its gradient and the recomputed
-#: LayerNorm output of a chunk stay in the core's caches instead of being fresh full-size maps
-FFN_CHUNK_ELEMENTS = 2 ** 18
-#: fewest tokens per chunk: each chunk adds its rank-``rows`` update to the (C, hidden) weight
-#: gradients, which must be amortised (at 1050 tokens of width 768, chunks of 85 tokens made the
-#: backward 17 % slower than one chunk)
-FFN_MIN_ROWS = 1024
-
-
-def ffn_chunk_rows(x, hidden, rows=None):
-    """Tokens per chunk of :class:`FFNBranch` for a (..., C) input: ``rows`` if given; on CPU in
-    float32 / float64 without autocast ``FFN_CHUNK_ELEMENTS // hidden`` (at least
-    ``FFN_MIN_ROWS``); else all
-    tokens in one chunk (on CUDA the caching allocator reuses memory and one large GEMM is
-    fastest; under autocast one chunk keeps the half-precision sums of the plain form)."""
-    tokens = x.numel() // max(x.shape[-1], 1)
-    if rows is not None:
-        if rows < 1:
-            raise ValueError(f'FFNBranch: rows must be positive, got {rows}')
-        return min(rows, max(tokens, 1))
-    if (x.device.type == 'cpu' and x.dtype in (torch.float32, torch.float64)
-            and not torch.is_autocast_enabled('cpu')):
-        return max(FFN_MIN_ROWS, min(tokens, FFN_CHUNK_ELEMENTS // max(hidden, 1)))
-    return max(tokens, 1)
-
-
-def _add_(acc, t):
-    """``acc += t`` (``acc`` None at first: ``t`` itself)."""
-    return t if acc is None else acc.add_(t)
-
-
 class FFNBranch(torch.autograd.Function):
     """``fc2(gelu(fc1(layer_norm(x))))`` over the last dim of ``x`` (..., C), the FFN branch of a
     transformer block without its residual.
 
-    Both passes run over chunks of tokens (:func:`ffn_chunk_rows`): the forward writes the
+    Both passes run over chunks of tokens (:func:`~linattn_mm.ops.common.token_chunk_rows` of
+    the hidden width): the forward writes the
     ``fc1`` output (kept for backward) and the result chunk by chunk, and never makes the whole
     activation; the backward recomputes a chunk's LayerNorm output and activation, writes its
     part of the input gradient and accumulates the weight gradients."""
@@ -95,7 +63,7 @@ class FFNBranch(torch.autograd.Function):
         C = x.shape[-1]
         x2 = x.reshape(-1, C)
         T = x2.shape[0]
-        step = ffn_chunk_rows(x, w1.shape[0], rows)
+        step = token_chunk_rows('FFNBranch', x, w1.shape[0], rows)
         if step >= T:
             h = F.linear(_layer_norm(x2, ln_w, ln_b, eps)[0], w1, b1)
             out = F.linear(F.gelu(h, approximate=approximate), w2, b2)
@@ -130,18 +98,18 @@ class FFNBranch(torch.autograd.Function):
             h_c = h[i:i + step].to(dt)
             if need[6]:
                 a_c = F.gelu(h_c, approximate=ctx.approximate)
-                acc['w2'] = _add_(acc['w2'], g_c.t() @ a_c)
+                acc['w2'] = add_or_take(acc['w2'], g_c.t() @ a_c)
                 del a_c
             if need[7] and ctx.has_b2:
-                acc['b2'] = _add_(acc['b2'], g_c.sum(0))
+                acc['b2'] = add_or_take(acc['b2'], g_c.sum(0))
             dh_c = torch.ops.aten.gelu_backward(g_c @ w2_, h_c, approximate=ctx.approximate)
             del h_c
             x_c = x2[i:i + step]
             n_c, mean, rstd = _layer_norm(x_c, ln_w, ln_b, ctx.eps)
             if need[4]:
-                acc['w1'] = _add_(acc['w1'], dh_c.t() @ n_c.to(dt))
+                acc['w1'] = add_or_take(acc['w1'], dh_c.t() @ n_c.to(dt))
             if need[5] and ctx.has_b1:
-                acc['b1'] = _add_(acc['b1'], dh_c.sum(0))
+                acc['b1'] = add_or_take(acc['b1'], dh_c.sum(0))
             del n_c
             dn_c = (dh_c @ w1_).to(x.dtype)
             del dh_c
@@ -150,9 +118,9 @@ class FFNBranch(torch.autograd.Function):
             if dx is not None:
                 dx[i:i + step] = dx_c
             if ln_mask[1]:
-                acc['lw'] = _add_(acc['lw'], dlw)
+                acc['lw'] = add_or_take(acc['lw'], dlw)
             if ln_mask[2]:
-                acc['lb'] = _add_(acc['lb'], dlb)
+                acc['lb'] = add_or_take(acc['lb'], dlb)
         return (None if dx is None else dx.view(x.shape), acc['lw'], acc['lb'], None,
                 _to(acc['w1'], w1), _to(acc['b1'], w1), _to(acc['w2'], w2), _to(acc['b2'], w2),
                 None, None)
