@@ -86,17 +86,24 @@ def test_pola_core_bias_shared_by_the_tokens(dtype):
                           [q, k, v, p, 1e-6, None, b], dtype)
 
 
-@pytest.mark.parametrize('dtype', DTYPES)
-@pytest.mark.parametrize('kernel', ['official', 'paper'])
-@pytest.mark.parametrize('rope,lam', [(True, 3.), (False, 3.), (True, 2.5)])
-def test_nala_core(dtype, kernel, rope, lam):
-    g = torch.Generator().manual_seed(3)
+def _nala_inputs(seed, dtype, rope):
+    """q, k, v (2, 2, 30, 8) on a 5 x 6 grid, with a zero query and zeros inside another, and the
+    RoPE tables (or Nones)."""
+    g = torch.Generator().manual_seed(seed)
     B, h, H, W, d = 2, 2, 5, 6, 8
     q, k, v = (rand(B, h, H * W, d, dtype=dtype, g=g) for _ in range(3))
     with torch.no_grad():
         q[0, 0, 1] = 0  # a zero query
         q[1, 1, 2, :3] = 0  # zeros inside a query
     sin, cos = RoPE2d(d).to(dtype)((H, W)) if rope else (None, None)
+    return q, k, v, sin, cos
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('kernel', ['official', 'paper'])
+@pytest.mark.parametrize('rope,lam', [(True, 3.), (False, 3.), (True, 2.5)])
+def test_nala_core(dtype, kernel, rope, lam):
+    q, k, v, sin, cos = _nala_inputs(3, dtype, rope)
     assert_same_gradients(nala_attention_fast, nala_attention_reference,
                           [q, k, v, lam, 1e-6, sin, cos, kernel], dtype)
 
@@ -106,13 +113,7 @@ def test_nala_core(dtype, kernel, rope, lam):
 @pytest.mark.parametrize('rope,query_power', [(False, 2.), (True, 1.5), (False, 3.7)])
 def test_nala_core_constant_query_power(dtype, kernel, rope, query_power):
     """A constant query power (the paper's Table 5 ablation) in the fast core's backward."""
-    g = torch.Generator().manual_seed(4)
-    B, h, H, W, d = 2, 2, 5, 6, 8
-    q, k, v = (rand(B, h, H * W, d, dtype=dtype, g=g) for _ in range(3))
-    with torch.no_grad():
-        q[0, 0, 1] = 0  # a zero query
-        q[1, 1, 2, :3] = 0  # zeros inside a query
-    sin, cos = RoPE2d(d).to(dtype)((H, W)) if rope else (None, None)
+    q, k, v, sin, cos = _nala_inputs(4, dtype, rope)
     assert_same_gradients(partial(nala_attention_fast, query_power=query_power),
                           partial(nala_attention_reference, query_power=query_power),
                           [q, k, v, 3., 1e-6, sin, cos, kernel], dtype)

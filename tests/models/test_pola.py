@@ -118,13 +118,17 @@ def direct_pola(m, x, hw):
     return out @ m.proj.weight.T + m.proj.bias
 
 
-@pytest.mark.parametrize('layout,extra,sr,hw', [
+#: (qkv layout, class tokens, la_sr_ratio, grid) of the tests against the formulas written out
+LAYOUT_CASES = [
     ('qg_kv', 0, 1, (5, 7)),
     ('qg_kv', 1, 1, (5, 7)),
     ('qg_kv', 0, 2, (6, 7)),
     ('qkvg', 0, 1, (5, 7)),
     ('qkvg', 1, 1, (4, 6)),
-])
+]
+
+
+@pytest.mark.parametrize('layout,extra,sr,hw', LAYOUT_CASES)
 @pytest.mark.parametrize('core', ['reference', 'fast'])
 def test_attention_matches_direct_formulas(layout, extra, sr, hw, core):
     torch.manual_seed(0)
@@ -139,13 +143,7 @@ def test_attention_matches_direct_formulas(layout, extra, sr, hw, core):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize('layout,extra,sr,hw', [
-    ('qg_kv', 0, 1, (5, 7)),
-    ('qg_kv', 1, 1, (5, 7)),
-    ('qg_kv', 0, 2, (6, 7)),
-    ('qkvg', 0, 1, (5, 7)),
-    ('qkvg', 1, 1, (4, 6)),
-])
+@pytest.mark.parametrize('layout,extra,sr,hw', LAYOUT_CASES)
 @pytest.mark.parametrize('gate', ['none', 'dynamic'])
 @pytest.mark.parametrize('core', ['reference', 'fast'])
 def test_without_dwc_matches_direct_formulas(layout, extra, sr, hw, gate, core):
