@@ -54,9 +54,13 @@ is well defined; [3] follows the paper's wording by default since version 0.6.0)
     each block's inputs before training.
 
 Cost per head: O(n·m·(d + L)) time for L Sinkhorn iterations and O(n·m) memory; no n×n tensor is
-ever formed. The unrolled Sinkhorn loop is differentiated exactly through a custom log-sum-exp step
-that stores no per-iteration n×m tensor (the backward recomputes the soft-max of each step from the
-shared log-kernel), so training memory does not grow with L either.
+ever formed. The unrolled Sinkhorn loop is differentiated exactly and stores no per-iteration n×m
+tensor, so training memory does not grow with L either: in the log domain (``core='reference'``)
+through a custom log-sum-exp step whose backward recomputes each step's soft-max from the shared
+log-kernel; in the scaling domain (``core='fast'``, Gaussian kernel: ``u = a / (K v)``,
+``v = b / (Kᵀ u)`` with ``K = exp(logK - max)``, the same potentials) through an autograd Function
+that keeps the loop's vectors and recomputes the n×m maps in its backward
+(:mod:`linattn_mm.ops.setformer.autograd`).
 
 Kernel maths lives in plain functions in :mod:`linattn_mm.ops.setformer`
 (:func:`gaussian_kernel`, :func:`nystrom_similarity`, :func:`nystrom_inv_sqrt`,
@@ -75,6 +79,8 @@ from linattn_mm.ops.lean_layers import recomputed
 from linattn_mm.ops.setformer import (gaussian_kernel, log_sinkhorn, nystrom_embedding,
                                       nystrom_inv_sqrt, nystrom_similarity, positional_log_kernel,
                                       self_transport_attention, spherical_kmeans, transport_plan)
+from linattn_mm.ops.setformer.autograd import (MAX_LOG_RANGE, scaling_sinkhorn,
+                                               self_transport_attention_fast)
 from linattn_mm.registry import ATTENTIONS
 from .base import BaseTokenMixer, merge_heads, run_in_fp32, split_heads
 
@@ -97,8 +103,9 @@ def setformer_cost(num_tokens, embed_dims, num_heads, num_refs, num_iters, kerne
     Returns:
         dict: ``linear`` (projections), ``similarity`` (n·m·C, or the Nyström products),
         ``aggregate`` (T(Tᵀ[V,1]): 2·n·m·(d+1) per head, d = k for ``values='nystrom'``),
-        ``sinkhorn_elements`` (n·m·h·2L log-sum-exp element evaluations, not MACs) and ``total``
-        (MACs). ``values='nystrom'``: no value projection, the output projection is
+        ``sinkhorn_elements`` (n·m·h·2L element evaluations of the loop, not MACs: log-sum-exp
+        terms in the log domain, multiply-adds of matrix-vector products in the scaling form) and
+        ``total`` (MACs). ``values='nystrom'``: no value projection, the output projection is
         Linear(h·k, C), and the similarity is the product of the embeddings (the inverse square
         root's product U Λ^-1/2 Uᵀ is k³ MACs; the eigendecomposition is not a matmul).
     """
@@ -187,9 +194,16 @@ class SeTAttention(BaseTokenMixer):
             Eq. 5 embedding ``v(x) = κ(z, z)^-1/2 κ(z, x)`` of the cost features, k =
             ``num_anchors`` per head; needs ``kernel='nystrom'``; no ``v``, ``proj`` is
             Linear(h·k, C)).
-        core (str): ``'fast'`` (default: the training form, which keeps only the mixer's input for
-            backward and runs the mixer once more in the backward, :func:`linattn_mm.ops.
-            lean_layers.recomputed`; the same gradients) or ``'reference'`` (plain autograd).
+        core (str): ``'fast'`` (default) or ``'reference'`` (plain autograd through the
+            log-domain loop). ``'fast'`` with the Gaussian kernel, whose :attr:`log_kernel_range`
+            is at most ``MAX_LOG_RANGE`` = 30: the core from the normalised features on is one
+            autograd Function with Sinkhorn in the scaling domain
+            (:func:`linattn_mm.ops.setformer.autograd.self_transport_attention_fast`), keeping
+            the features, references, values and the loop's vectors; otherwise the mixer keeps
+            only its input and runs once more in the backward
+            (:func:`linattn_mm.ops.lean_layers.recomputed`). The same outputs and gradients
+            (with ``fp32=False`` under autocast the fast core still runs in float32, the
+            reference in the autocast dtype).
         init_cfg (dict, optional): mmengine init config.
 
     Parameters: ``v`` Linear(C, C), ``proj`` Linear(C, C), ``refs`` (h, m, d) (+ ``k`` Linear(C, C)
@@ -266,6 +280,26 @@ class SeTAttention(BaseTokenMixer):
         else:
             self.register_buffer(name, value)
 
+    @property
+    def log_kernel_range(self):
+        """An upper bound of max - min of the log Gibbs kernel over each (batch, head) slice, or
+        None where there is none: the Gaussian kernel lies in ``(0, 1]``, so ``S / eps`` spans
+        less than ``1 / eps``, plus ``1 / tau`` with the positional term in the kernel; the
+        Nyström approximation is not bounded."""
+        if self.kernel != 'gaussian':
+            return None
+        pos = 1. / self.tau if self.tau is not None and self.position in ('kernel', 'both') else 0.
+        return 1. / self.eps + pos
+
+    @property
+    def sinkhorn(self):
+        """The Sinkhorn loop of :attr:`core`: the scaling-domain form for ``'fast'`` when
+        :attr:`log_kernel_range` allows it, else the log-domain one (the same potentials)."""
+        bound = self.log_kernel_range
+        if self.core == 'fast' and bound is not None and bound <= MAX_LOG_RANGE:
+            return scaling_sinkhorn
+        return log_sinkhorn
+
     # --- pieces --------------------------------------------------------------------------------
     def cost_inputs(self, x):
         """Per-head L2-normalised features compared with the references, (B, h, N, d)."""
@@ -323,7 +357,7 @@ class SeTAttention(BaseTokenMixer):
             if self.position in ('kernel', 'both'):
                 log_k = log_k + log_m
         row, col, valid, n_valid = self._marginals(log_k, key_padding_mask)  # log_k: (B,h,N,m)
-        f, g = log_sinkhorn(log_k, row, col, self.num_iters)
+        f, g = self.sinkhorn(log_k, row, col, self.num_iters)
         extra = log_m if self.position in ('plan', 'both') else None
         plan = transport_plan(log_k, f, g, extra)
         if valid is not None:
@@ -358,8 +392,33 @@ class SeTAttention(BaseTokenMixer):
         Returns: Tensor (B, N, C) (float32 under autocast when ``fp32``)."""
         self.check_input(x, hw_shape)
         if self.core == 'fast':
+            if self.sinkhorn is scaling_sinkhorn and self.values == 'linear':
+                return run_in_fp32(self._forward_fast, x, hw_shape, key_padding_mask,
+                                   enabled=self.fp32)
             return recomputed(self._mix, x, tuple(hw_shape), key_padding_mask)
         return self._mix(x, hw_shape, key_padding_mask)
+
+    def _forward_fast(self, x, hw_shape, key_padding_mask):
+        """``_forward`` with the core from the normalised features on in one Function
+        (:func:`~linattn_mm.ops.setformer.autograd.self_transport_attention_fast`: Gaussian
+        kernel, scaling-domain Sinkhorn; the same output and gradients)."""
+        feats = self.cost_inputs(x)
+        refs = nn.functional.normalize(self.refs, dim=-1)
+        v = split_heads(self.v(x), self.num_heads).to(feats.dtype)
+        row, col, valid, n_valid = self._marginals(feats, key_padding_mask)
+        log_m = None
+        if self.tau is not None:
+            shape, m, tau, extra, device = (tuple(hw_shape), self.num_refs, self.tau,
+                                            self.num_extra_tokens, x.device)
+
+            def log_m(dtype):
+                return positional_log_kernel(shape, m, tau, extra, device, dtype)
+        if valid is not None:
+            valid = valid[:, None, :, None]
+        out = self_transport_attention_fast(
+            feats, refs.to(feats.dtype), v, row, col, valid, n_valid * self.num_refs, self.sigma,
+            self.eps, self.num_iters, self.row_normalize, log_m, self.position)
+        return self.proj_drop(self.proj(merge_heads(out).to(x.dtype)))
 
     def _mix(self, x, hw_shape, key_padding_mask):
         return run_in_fp32(self._forward, x, hw_shape, key_padding_mask, enabled=self.fp32)

@@ -2,6 +2,8 @@
 tokens and references (exact Gaussian or Nyström), the positional log-kernel, log-domain Sinkhorn
 (with a log-sum-exp step whose backward keeps no per-iteration n x m tensor), the transport plan,
 the rank-m self-kernel attention applied right to left, and spherical K-means for the references.
+The fast form of the Sinkhorn loop (scaling domain, an autograd Function) is in
+:mod:`linattn_mm.ops.setformer.autograd`.
 The formulas and the paper-vs-reading notes are in :mod:`linattn_mm.models.attentions.setformer`."""
 import torch
 import torch.nn as nn
@@ -9,7 +11,8 @@ from torch.autograd.function import once_differentiable
 
 __all__ = ['gaussian_kernel', 'nystrom_similarity', 'nystrom_inv_sqrt', 'nystrom_embedding',
            'positional_log_kernel',
-           'log_sinkhorn', 'transport_plan', 'self_transport_attention', 'spherical_kmeans']
+           'log_sinkhorn', 'transport_plan', 'self_transport_attention', 'self_transport_terms',
+           'spherical_kmeans']
 
 
 def gaussian_kernel(t, sigma):
@@ -202,19 +205,26 @@ def self_transport_attention(plan, v, row_normalize=True, scale=None, valid=None
     Returns:
         Tensor (..., n, d).
     """
-    d = v.shape[-1]
+    return self_transport_terms(plan, v, row_normalize, scale, valid)[0]
+
+
+def self_transport_terms(plan, v, row_normalize=True, scale=None, valid=None):
+    """:func:`self_transport_attention` and its intermediate terms (for a backward written by
+    hand): ``(out, z, num, den)`` with ``z = Tᵀ [V, 1]`` (..., m, d + 1), ``[num, den] = T z``
+    (``den`` set to 1 on padded rows when row-normalising)."""
     v1 = torch.cat([v, v.new_ones(v.shape[:-1] + (1, ))], dim=-1)
-    out = plan @ (plan.transpose(-1, -2) @ v1)
-    num, den = out[..., :d], out[..., d:]
+    z = plan.transpose(-1, -2) @ v1
+    o = plan @ z
+    num, den = o[..., :-1], o[..., -1:]
     if row_normalize:
         if valid is not None:
             den = torch.where(valid, den, torch.ones_like(den))
-        num = num / den
+        out = num / den
     else:
-        num = num * scale
+        out = num * scale
     if valid is not None:
-        num = num.masked_fill(~valid, 0.)
-    return num
+        out = out.masked_fill(~valid, 0.)
+    return out, z, num, den
 
 
 @torch.no_grad()
