@@ -250,7 +250,7 @@ TABLE = {
     '--repeats 1':
         Run('benchmark_train_scale', '--sizes 64 96'),
     'python tools/benchmark.py --mode train configs/setformer/mask-rcnn_setformer-t_fpn_1x_coco.py '
-    '--sizes 512 1024 --threads 1 --warmup 0 --repeats 1':
+    '--sizes 1024 2048 --threads 1 --warmup 0 --repeats 1':
         Run('benchmark_train_scale_setformer', '--sizes 64 96'),
     'python tools/benchmark.py --mode core --device cuda --dtype bf16 --grid 128x128 256x256 '
     '--batch 8 --impls triton torch --compare torch':
@@ -736,7 +736,7 @@ def case_benchmark_train_scale(sh, tmp_path):
 
 def case_benchmark_train_scale_setformer(sh, tmp_path):
     cfg = 'configs/setformer/mask-rcnn_setformer-t_fpn_1x_coco.py'
-    cmd = (f'python tools/benchmark.py --mode train {cfg} --sizes 512 1024 --threads 1 --warmup 0 '
+    cmd = (f'python tools/benchmark.py --mode train {cfg} --sizes 1024 2048 --threads 1 --warmup 0 '
            '--repeats 1')
     out = sh(cmd, doc_argv(cmd, values={'--sizes': ['64', '96']}))
     assert re.search(rf'^{re.escape(cfg)}\s+\S+\s+96x96/64x64: [\d.]+; slope', out, re.M), \
