@@ -98,22 +98,6 @@ def direct_padre(m, x, hw):
     return total @ m.proj.weight.T + m.proj.bias
 
 
-@pytest.mark.parametrize('degree', [2, 3, 4])
-@pytest.mark.parametrize('extra,cls_mode', [(0, 'pool'), (1, 'pool'), (1, 'identity')])
-@pytest.mark.parametrize('mode,hw', [('2d', (7, 9)), ('2d', (13, 5)), ('1d', (1, 23))])
-def test_mixer_matches_direct_recursion_float64(degree, extra, cls_mode, mode, hw):
-    torch.manual_seed(degree)
-    m = PADReMixer(24, degree=degree, kernel_size=11 if mode == '2d' else 5, token_mixing=mode,
-                   cls_mode=cls_mode, num_extra_tokens=extra, layout='full')
-    randomise_(m, seed=degree).double().eval()
-    x = torch.randn(2, extra + hw[0] * hw[1], 24, dtype=torch.float64)
-    with torch.no_grad():
-        got = m(x, hw)
-        want = direct_padre(m, x, hw)
-    assert got.dtype == torch.float64 and got.shape == x.shape
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
-
-
 def direct_compact(m, x, hw):
     """``layout='compact'``: Z_1 = X, Y_i = X B_i (i >= 2), Z_{i+1} = (C_i Z_i D_i) ⊙ Y_{i+1},
     P = sum_{i=2..d} W_i Z_i + b, with the module's weights, every step written out (the fused
@@ -136,19 +120,24 @@ def direct_compact(m, x, hw):
     return total
 
 
+@pytest.mark.parametrize('layout', ['full', 'compact'])
 @pytest.mark.parametrize('degree', [2, 3, 4])
 @pytest.mark.parametrize('extra,cls_mode', [(0, 'pool'), (1, 'pool'), (1, 'identity')])
 @pytest.mark.parametrize('mode,hw', [('2d', (7, 9)), ('2d', (13, 5)), ('1d', (1, 23))])
-def test_compact_matches_direct_recursion_float64(degree, extra, cls_mode, mode, hw):
+def test_mixer_matches_direct_recursion_float64(layout, degree, extra, cls_mode, mode, hw):
+    """Each layout against its recursion written out step by step (``direct_padre`` for
+    ``'full'``, ``direct_compact`` for ``'compact'``, the default)."""
     torch.manual_seed(degree)
+    kw = dict(layout='full') if layout == 'full' else {}
     m = PADReMixer(24, degree=degree, kernel_size=11 if mode == '2d' else 5, token_mixing=mode,
-                   cls_mode=cls_mode, num_extra_tokens=extra)
-    assert m.layout == 'compact'  # the default
+                   cls_mode=cls_mode, num_extra_tokens=extra, **kw)
+    assert m.layout == layout
     randomise_(m, seed=degree).double().eval()
     x = torch.randn(2, extra + hw[0] * hw[1], 24, dtype=torch.float64)
+    direct = direct_padre if layout == 'full' else direct_compact
     with torch.no_grad():
         got = m(x, hw)
-        want = direct_compact(m, x, hw)
+        want = direct(m, x, hw)
     assert got.dtype == torch.float64 and got.shape == x.shape
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
