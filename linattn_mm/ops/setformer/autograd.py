@@ -241,12 +241,13 @@ class SelfTransportAttention(torch.autograd.Function):
         stacks = tuple(F.new_empty((G, size, opts['num_iters'])) for size in (n, n, m, m)) \
             if keep else None
         for sl in _groups(G, n, m, F):
-            S, kern, _ = _set_kernel(F[sl], R[sl], log_m, opts)
+            S, kern = _set_kernel(F[sl], R[sl], log_m, opts)
             r, c, part = _loop(kern, a[sl], b[sl], opts['num_iters'], keep)
             plan = _set_plan(kern, a[sl] / r, b[sl] / c, log_m, opts)
             del S, kern
-            out[sl] = _set_aggregate(plan, V[sl], mask if mask is None else mask[sl],
-                                     None if scl is None else scl[sl])[0]
+            out[sl] = self_transport_terms(plan, V[sl], scl is None,
+                                           None if scl is None else scl[sl],
+                                           None if mask is None else mask[sl])[0]
             if keep:
                 for dst, src in zip(stacks, part):
                     dst[sl] = src
@@ -275,11 +276,12 @@ class SelfTransportAttention(torch.autograd.Function):
         for sl in _groups(G, n, m, F):
             part = [t[sl] for t in stacks]
             us, rs, cs = part[0], part[1], part[2]
-            S, kern, shift = _set_kernel(F[sl], R[sl], log_m, opts)
+            S, kern = _set_kernel(F[sl], R[sl], log_m, opts)
             u_last, v_last = us[..., -1], b[sl] / cs[..., -1]
             plan = _set_plan(kern, u_last, v_last, log_m, opts)
             msk = None if mask is None else mask[sl]
-            _, z, num, den = _set_aggregate(plan, V[sl], msk, None if scl is None else scl[sl])
+            _, z, num, den = self_transport_terms(plan, V[sl], scl is None,
+                                                  None if scl is None else scl[sl], msk)
             # out = num / den (row-normalised) or num * scale; padded rows 0
             go = dout[sl] if msk is None else dout[sl] * msk
             if opts['row_normalize']:
@@ -316,13 +318,14 @@ class SelfTransportAttention(torch.autograd.Function):
 
 
 def _set_kernel(F, R, log_m, opts):
-    """``S = exp((F Rᵀ - 1)/σ²)``, the scaled Gibbs kernel ``exp(log_k - c)`` and ``c``."""
+    """``S = exp((F Rᵀ - 1)/σ²)`` and the scaled Gibbs kernel ``exp(log_k - c)`` (``c`` the
+    largest entry of each slice)."""
     S = (F @ R.transpose(-2, -1)).sub_(1.).div_(opts['sigma'] ** 2).exp_()
     log_k = S / opts['eps']
     if log_m is not None and opts['position'] in ('kernel', 'both'):
         log_k += log_m
     shift = log_k.amax(dim=(-2, -1), keepdim=True)
-    return S, log_k.sub_(shift).exp_(), shift
+    return S, log_k.sub_(shift).exp_()
 
 
 def _set_plan(kern, u, v, log_m, opts):
@@ -331,12 +334,6 @@ def _set_plan(kern, u, v, log_m, opts):
     if log_m is not None and opts['position'] in ('plan', 'both'):
         return (log_m + u.log().unsqueeze(-1) + v.log().unsqueeze(-2)).exp_().mul_(kern)
     return kern * u.unsqueeze(-1) * v.unsqueeze(-2)
-
-
-def _set_aggregate(plan, V, mask, scl):
-    """:func:`~linattn_mm.ops.setformer.self_transport_terms`, row-normalised unless ``scl`` (the
-    constant scale) is given."""
-    return self_transport_terms(plan, V, scl is None, scl, mask)
 
 
 def self_transport_attention_fast(feats, refs, v, row, col, valid, scale, sigma, eps, num_iters,
