@@ -5,6 +5,7 @@ are finite, and the half-precision outputs stay close to float32 (relative L2 er
 fp16, 8% for bf16)."""
 import pytest
 import torch
+import torch.nn.functional as F
 from families import FAMILIES
 
 TOL = {torch.float16: 0.02, torch.bfloat16: 0.08}
@@ -57,3 +58,56 @@ def test_training_step_under_autocast(name, dtype):
         for o, r in zip(half, ref):
             assert torch.isfinite(o).all()
             assert rel_err(o, r) < TOL[dtype], (name, scale, rel_err(o, r))
+
+
+#: aten ops whose CUDA kernels need the input and the affine parameters in one dtype (the CPU
+#: kernels also take a half-precision input with float32 parameters): op -> (input, weight, bias)
+#: argument positions
+ONE_DTYPE_OPS = {torch.ops.aten.native_layer_norm.default: (0, 2, 3),
+                 torch.ops.aten.native_layer_norm_backward.default: (1, 5, 6)}
+
+
+class DtypeRules(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the calls of :data:`ONE_DTYPE_OPS` whose tensors' dtypes differ."""
+
+    def __init__(self):
+        super().__init__()
+        self.mixed = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in ONE_DTYPE_OPS:
+            dts = {args[i].dtype for i in ONE_DTYPE_OPS[func] if torch.is_tensor(args[i])}
+            if func is torch.ops.aten.native_layer_norm_backward.default:
+                dts.add(args[0].dtype)  # the output gradient too
+            if len(dts) > 1:
+                self.mixed.append((str(func), sorted(map(str, dts))))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16], ids=['fp16', 'bf16'])
+@pytest.mark.parametrize('name', list(FAMILIES))
+def test_training_step_under_autocast_keeps_cuda_dtype_rules(name, dtype, monkeypatch):
+    """A training step under autocast calls no layer norm (forward or backward) with mixed
+    dtypes: CUDA refuses those calls ('expected scalar type BFloat16 but found Float'), so a
+    training form that only ran on CPU would fail there. CUDA's autocast runs ``layer_norm`` in
+    float32, CPU's does not: ``F.layer_norm`` is given CUDA's policy here, so that the layer norms
+    of plain modules see what they see on CUDA and the calls left are those of the kernels."""
+    real = F.layer_norm
+
+    def layer_norm_as_on_cuda(x, *args, **kwargs):
+        if torch.is_autocast_enabled('cpu') and x.dtype in (torch.float16, torch.bfloat16):
+            with torch.autocast('cpu', enabled=False):
+                args = [a.float() if torch.is_tensor(a) else a for a in args]
+                kwargs = {k: a.float() if torch.is_tensor(a) else a for k, a in kwargs.items()}
+                return real(x.float(), *args, **kwargs)
+        return real(x, *args, **kwargs)
+    monkeypatch.setattr(F, 'layer_norm', layer_norm_as_on_cuda)
+    torch.manual_seed(0)
+    model = FAMILIES[name]()
+    model.train()
+    x = torch.randn(2, 3, 64, 96)
+    with DtypeRules() as rules:
+        with torch.autocast('cpu', dtype=dtype):
+            loss = sum(o.float().pow(2).mean() for o in model(x))
+        loss.backward()
+    assert not rules.mixed, rules.mixed

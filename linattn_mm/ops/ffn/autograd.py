@@ -21,8 +21,32 @@ from ..common import add_or_take, linear_into, token_chunk_rows
 __all__ = ['FFNBranch', 'ConvFFNBranch', 'ffn_branch', 'conv_ffn_branch']
 
 
+def _to(t, like):
+    return None if t is None else t.to(like.dtype)
+
+
+def _ln_input(x):
+    """``x`` in the dtype the LayerNorms of these Functions compute in: float32 for a
+    half-precision ``x`` (as autocast runs ``layer_norm``; CUDA's kernels also need the input and
+    the affine parameters in one dtype), else ``x`` itself."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 def _layer_norm(x, weight, bias, eps):
-    return torch.native_layer_norm(x, (x.shape[-1], ), weight, bias, eps)
+    """``(LN(x) in x's dtype, mean, rstd)``, computed as :func:`_ln_input` says."""
+    xf = _ln_input(x)
+    n, mean, rstd = torch.native_layer_norm(xf, (x.shape[-1], ), _to(weight, xf), _to(bias, xf),
+                                            eps)
+    return n.to(x.dtype), mean, rstd
+
+
+def _layer_norm_backward(dn, x, mean, rstd, weight, bias, mask):
+    """``native_layer_norm_backward`` in the dtype of :func:`_layer_norm`; the input gradient in
+    ``x``'s dtype, the affine parameters' in float32 (or ``x``'s, if wider)."""
+    xf = _ln_input(x)
+    dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+        dn.to(xf.dtype), xf, (x.shape[-1], ), mean, rstd, _to(weight, xf), _to(bias, xf), mask)
+    return None if dx is None else dx.to(x.dtype), dw, db
 
 
 def _linear_grads(grad, inp, weight, need_w, need_b):
@@ -34,18 +58,13 @@ def _linear_grads(grad, inp, weight, need_w, need_b):
     return d_in, d_w, d_b
 
 
-def _to(t, like):
-    return None if t is None else t.to(like.dtype)
-
-
 def _ln_backward(ctx, dn, x, ln_w, ln_b, mean, rstd, first):
     """Gradients of the input and the LayerNorm's affine parameters (inputs ``first``,
     ``first + 1``, ``first + 2`` of the Function)."""
     need = ctx.needs_input_grad
-    dx, dlw, dlb = torch.ops.aten.native_layer_norm_backward(
-        dn.to(x.dtype), x, (x.shape[-1], ), mean, rstd, ln_w, ln_b,
+    return _layer_norm_backward(
+        dn, x, mean, rstd, ln_w, ln_b,
         [need[first], ln_w is not None and need[first + 1], ln_b is not None and need[first + 2]])
-    return dx, dlw, dlb
 
 
 class FFNBranch(torch.autograd.Function):
@@ -111,10 +130,9 @@ class FFNBranch(torch.autograd.Function):
             if need[5] and ctx.has_b1:
                 acc['b1'] = add_or_take(acc['b1'], dh_c.sum(0))
             del n_c
-            dn_c = (dh_c @ w1_).to(x.dtype)
+            dn_c = dh_c @ w1_
             del dh_c
-            dx_c, dlw, dlb = torch.ops.aten.native_layer_norm_backward(
-                dn_c, x_c, (C, ), mean, rstd, ln_w, ln_b, ln_mask)
+            dx_c, dlw, dlb = _layer_norm_backward(dn_c, x_c, mean, rstd, ln_w, ln_b, ln_mask)
             if dx is not None:
                 dx[i:i + step] = dx_c
             if ln_mask[1]:
