@@ -3,8 +3,8 @@ backward than plain autograd and recompute the rest (same values, same gradients
 
 * :class:`DepthwiseConvTokens` — a depth-wise conv on the grid of (B, N, C) tokens (Pola's conv
   term and NaLa's LePE on ``v``): plain autograd keeps the channels-last copy of the map the conv
-  reads; this keeps nothing new (``v`` is a view of the projection output, kept anyway) and works
-  in bands of rows both ways.
+  reads; this keeps nothing new (``v`` is a view of the projection output, kept anyway) and, on
+  CPU, works in bands of rows both ways.
 * :class:`GatedLinear` — ``linear(s * g)`` (Pola's gate and output projection): keeps ``s`` and
   ``g``, not their product, and works over chunks of tokens on CPU.
 * :class:`NormGatedLinear` — ``linear(layer_norm(s) * silu(g))`` (NaLa's output): keeps ``s``,
@@ -30,7 +30,8 @@ from .common import add_or_take, linear_into, token_chunk_rows
 
 __all__ = ['DepthwiseConvTokens', 'depthwise_conv_tokens', 'GatedLinear', 'NormGatedLinear',
            'SplitLinear', 'split_linear',
-           'GatherTokens', 'recomputed', 'conv_band_rows', 'CONV_BAND_ELEMENTS', 'MIN_BAND_ROWS', 'MAX_BAND_ROWS']
+           'GatherTokens', 'recomputed', 'conv_band_rows', 'conv_backward_form',
+           'CONV_BACKWARD_FORMS', 'CONV_BAND_ELEMENTS', 'MIN_BAND_ROWS', 'MAX_BAND_ROWS']
 
 
 def recomputed(fn, *args):
@@ -67,6 +68,30 @@ def conv_band_rows(B, H, W, C, pad, device, rows=None):
     return max(1, min(H, rows))
 
 
+#: the two backward forms of :class:`DepthwiseConvTokens`
+CONV_BACKWARD_FORMS = ('bands', 'aten')
+
+
+def conv_backward_form(device, form=None):
+    """The backward of :class:`DepthwiseConvTokens` on ``device``: ``form`` if given, else
+    ``'bands'`` on CPU (the input gradient as a conv of the gradient's bands with the flipped
+    kernel, the weight gradient as a forward conv of each band of the input with the gradient band
+    as its kernel: on CPU the conv backward's own weight gradient for k >= 5 on channels-last maps
+    is 10-30x slower) and ``'aten'`` elsewhere (``aten.convolution_backward`` on the whole map).
+    On CUDA the band form's weight gradient is a grouped conv with an image-sized kernel, which
+    cuDNN runs with its direct grouped kernel: in a profile of a Pola-Swin-T training step at
+    800 x 1344 on an H100 (batch 1, float32), those 4 calls took 67 ms, 54 % of the GPU time, and
+    in NaLaFormer-T 12 calls took 77 ms, 62 %; cuDNN's depth-wise weight-gradient kernel took
+    47 us a call for NaLaFormer's 3 x 3 ConvFFN in the same profile. The ``'aten'`` form is not
+    measured on a GPU yet."""
+    if form is None:
+        return 'bands' if torch.device(device).type == 'cpu' else 'aten'
+    if form not in CONV_BACKWARD_FORMS:
+        raise ValueError(f'DepthwiseConvTokens: backward form must be one of '
+                         f'{CONV_BACKWARD_FORMS}, got {form!r}')
+    return form
+
+
 class _Bands:
     """Zero-padded row bands of (B, H, W, C) maps: ``fill(src, r0, r1)`` copies rows
     ``r0 - p .. r1 + p`` of ``src`` into a reused (B, r1 - r0 + 2p, W + 2p, C) buffer, with zeros
@@ -94,18 +119,19 @@ class DepthwiseConvTokens(torch.autograd.Function):
     """``conv2d(map(v), weight, bias, padding, groups=C)`` of (B, H*W, C) tokens (a square
     ``k x k`` kernel, stride 1, padding ``(k - 1) / 2``), returned as (B, H*W, C) tokens.
 
-    Both passes run over bands of image rows (:func:`conv_band_rows`): each band of ``v`` (or of
-    the output gradient) is copied with its halo into one small zero-padded channels-last buffer
-    and convolved there, so no full-size copy of the map is made, and ``v`` (a view of the
-    projection output, kept anyway) is all that is kept. The backward gives ``dv`` as the conv of
-    the gradient's bands with the flipped kernel and the weight gradient as a forward conv of
-    each band of ``v`` with the gradient band as its kernel (on CPU the conv backward's own
-    weight gradient for k >= 5 on channels-last maps is 10-30x slower than a forward conv), the
-    bands' (C, k, k) results summed in float64 (in float32 for half-precision gradients); the
+    Both passes run over bands of image rows (:func:`conv_band_rows`; one band, the whole map,
+    off CPU): each band of ``v`` (or of the output gradient) is copied with its halo into one
+    small zero-padded channels-last buffer and convolved there, so no full-size copy of the map is
+    made, and ``v`` (a view of the projection output, kept anyway) is all that is kept. The
+    backward (:func:`conv_backward_form`, or ``backward_form``) is either ``'bands'``: ``dv`` as
+    the conv of the gradient's bands with the flipped kernel and the weight gradient as a forward
+    conv of each band of ``v`` with the gradient band as its kernel, the bands' (C, k, k) results
+    summed in float64 (in float32 for half-precision gradients); or ``'aten'``: one
+    ``aten.convolution_backward`` of the gradient against the channels-last view of ``v``. The
     bias gradient is a sum."""
 
     @staticmethod
-    def forward(ctx, v, hw_shape, weight, bias, padding, rows=None):
+    def forward(ctx, v, hw_shape, weight, bias, padding, rows=None, backward_form=None):
         B, N, C = v.shape
         H, W = hw_shape
         k = weight.shape[-1]
@@ -124,6 +150,7 @@ class DepthwiseConvTokens(torch.autograd.Function):
                 out = o.new_empty(B, H, W, C)
             out[:, r0:r1] = o.permute(0, 2, 3, 1)
         ctx.hw_shape, ctx.rows, ctx.has_bias = (H, W), step, bias is not None
+        ctx.form = conv_backward_form(v.device, backward_form)
         ctx.save_for_backward(v, weight)
         return out.view(B, N, C)
 
@@ -139,6 +166,14 @@ class DepthwiseConvTokens(torch.autograd.Function):
         g = grad.reshape(B, H, W, C)
         x = v.reshape(B, H, W, C).to(dt)
         w = weight.to(dt)
+        db = grad.sum((0, 1)) if ctx.has_bias and need[3] else None
+        if ctx.form == 'aten':
+            dv, dw, _ = torch.ops.aten.convolution_backward(
+                g.contiguous().permute(0, 3, 1, 2), x.permute(0, 3, 1, 2), w, None, [1, 1],
+                [p, p], [1, 1], False, [0, 0], C, [need[0], need[2], False])
+            if dv is not None:
+                dv = dv.permute(0, 2, 3, 1).reshape(B, N, C).to(v.dtype)
+            return dv, None, _to(dw, weight), _to(db, weight), None, None, None
         dv = dw = None
         acc = torch.float64 if dt == torch.float32 else torch.promote_types(dt, torch.float32)
         if need[0]:
@@ -158,12 +193,11 @@ class DepthwiseConvTokens(torch.autograd.Function):
                 for b in range(B):  # the band of image b as the kernel of its own channels
                     part = F.conv2d(xb[b:b + 1], gb[b].unsqueeze(1), groups=C)  # (1, C, k, k)
                     dw = part.to(acc) if dw is None else dw.add_(part)
-        db = grad.sum((0, 1)) if ctx.has_bias and need[3] else None
         if dv is not None:
             dv = dv.view(B, N, C).to(v.dtype)
         if dw is not None:
             dw = dw.view(C, 1, k, k)
-        return dv, None, _to(dw, weight), _to(db, weight), None, None
+        return dv, None, _to(dw, weight), _to(db, weight), None, None, None
 
 
 class GatedLinear(torch.autograd.Function):

@@ -16,7 +16,8 @@ from linattn_mm.models.backbones import LinAttnPVT, LinAttnSwin, LinAttnViT
 from linattn_mm.models.backbones.nalaformer import ConvFFN, NaLaFormer
 from linattn_mm.models.utils.layers import Mlp
 from linattn_mm.ops.ffn import FFNBranch, conv_ffn_branch, ffn_branch
-from linattn_mm.ops.lean_layers import DepthwiseConvTokens, GatedLinear, NormGatedLinear
+from linattn_mm.ops.lean_layers import (CONV_BACKWARD_FORMS, DepthwiseConvTokens, GatedLinear,
+                                        NormGatedLinear, conv_backward_form)
 from linattn_mm.ops.nala import nala_attention_fast, nala_attention_reference
 from linattn_mm.ops.pola import polarity_attention_fast, polarity_attention_reference
 
@@ -189,8 +190,10 @@ def test_small_lean_layers(dtype, bias):
     def conv_plain(v, wt, bt):
         m = v.reshape(B, H, W, C).permute(0, 3, 1, 2)
         return F.conv2d(m, wt, bt, padding=(2, 2), groups=C).flatten(2).transpose(1, 2)
-    assert_same_gradients(lambda v, wt, bt: DepthwiseConvTokens.apply(v, (H, W), wt, bt, (2, 2)),
-                          conv_plain, [v, wt, bt] if bias else [v, wt, None], dtype)
+    for form in CONV_BACKWARD_FORMS:
+        assert_same_gradients(
+            lambda v, wt, bt: DepthwiseConvTokens.apply(v, (H, W), wt, bt, (2, 2), None, form),
+            conv_plain, [v, wt, bt] if bias else [v, wt, None], dtype)
     s, gate = rand(B, 7, C, dtype=dtype, g=g), rand(B, 7, C, dtype=dtype, g=g)
     lw = rand(5, C, dtype=dtype, g=g)
     lb = rand(5, dtype=dtype, g=g) if bias else None
@@ -392,9 +395,10 @@ def test_split_linear(dtype, bias, parts, used):
 @pytest.mark.parametrize('rows', [None, 1, 3, 16])
 def test_depthwise_conv_in_bands(B, C, H, W, k, rows):
     """The depth-wise conv of tokens in bands of rows (halos, a last short band, one-row maps):
-    the output, the input gradient (the gradient's bands against the flipped kernel) and the
-    weight gradient (each band of the input convolved with the gradient band as its kernel)
-    against the float64 conv and its backward."""
+    the output, and with both backward forms (the band form: the gradient's bands against the
+    flipped kernel, each band of the input convolved with the gradient band as its kernel; the
+    CUDA form: ``aten.convolution_backward``) the input and weight gradients, against the float64
+    conv and its backward."""
     g = torch.Generator().manual_seed(B * H)
     x = torch.randn(B, C, H, W, generator=g, dtype=torch.float64)
     grad = torch.randn(B, C, H, W, generator=g, dtype=torch.float64)
@@ -410,8 +414,23 @@ def test_depthwise_conv_in_bands(B, C, H, W, k, rows):
     for dtype, tol in ((torch.float32, 1e-6), (torch.float64, 1e-12)):
         v = tokens(x).to(dtype).contiguous().requires_grad_()
         wt = w.to(dtype).requires_grad_()
-        out = DepthwiseConvTokens.apply(v, (H, W), wt, bias.to(dtype), (k // 2, k // 2), rows)
-        out.backward(tokens(grad).to(dtype))
-        assert rel(out.double(), tokens(want_out)) < tol
-        assert rel(v.grad.double(), tokens(want_dx)) < tol
-        assert wt.grad.shape == want_dw.shape and rel(wt.grad.double(), want_dw) < tol
+        for form in CONV_BACKWARD_FORMS:
+            v.grad = wt.grad = None
+            out = DepthwiseConvTokens.apply(v, (H, W), wt, bias.to(dtype), (k // 2, k // 2), rows,
+                                            form)
+            out.backward(tokens(grad).to(dtype))
+            assert rel(out.double(), tokens(want_out)) < tol
+            assert rel(v.grad.double(), tokens(want_dx)) < tol, form
+            assert wt.grad.shape == want_dw.shape and rel(wt.grad.double(), want_dw) < tol, form
+
+
+def test_conv_backward_form_is_chosen_by_device():
+    """The band form on CPU, ``aten.convolution_backward`` elsewhere (CUDA: the band form's weight
+    gradient is a grouped conv with an image-sized kernel), an explicit form as given, and a
+    clear error for an unknown one."""
+    assert conv_backward_form('cpu') == 'bands'
+    assert conv_backward_form(torch.device('cuda', 0)) == 'aten'
+    assert conv_backward_form('cpu', 'aten') == 'aten'
+    with pytest.raises(ValueError, match=r"backward form must be one of \('bands', 'aten'\), "
+                       r"got 'fast'"):
+        conv_backward_form('cpu', 'fast')
