@@ -358,8 +358,10 @@ def _runner(fn, device, autocast_dtype):
     return run
 
 
-def _train_runner(fn, device, autocast_dtype):
-    """A training step: ``fn`` runs the forward and returns the loss, which is backpropagated."""
+def _train_runner(fn, device, autocast_dtype, model=None):
+    """A training step: ``fn`` runs the forward and returns the loss, which is backpropagated.
+    ``model``'s gradients are cleared before the memory run (``run.clear``), so that the previous
+    step's gradients are not counted in the base of a CUDA peak."""
     def run():
         with torch.autocast(device.type, dtype=autocast_dtype,
                             enabled=autocast_dtype is not None):
@@ -367,6 +369,8 @@ def _train_runner(fn, device, autocast_dtype):
         loss.backward()
         return loss.detach()
     run.train = True
+    if model is not None:
+        run.clear = lambda: model.zero_grad(set_to_none=True)
     return run
 
 
@@ -387,7 +391,9 @@ def model_train_step(model, inputs, samples):
 
 
 def peak_memory(run, device):
-    """Peak bytes allocated by one forward and how they were measured."""
+    """Peak bytes allocated by one forward (or training step) and how they were measured."""
+    if hasattr(run, 'clear'):
+        run.clear()
     gc.collect()
     if device.type == 'cuda':
         torch.cuda.empty_cache()
@@ -546,7 +552,7 @@ def main(argv=None):
             if args.mode == 'train' and not train_model:
                 def call_train_bb(m, hw):
                     x = torch.randn(args.batch, 3, *hw, device=device)
-                    return _train_runner(lambda: train_step(m, x), device, ac)
+                    return _train_runner(lambda: train_step(m, x), device, ac, m)
                 jobs.append((t, lambda t=t: build_backbone(t), call_train_bb))
             elif train_model:
                 def build_train_m(t=t):
@@ -563,7 +569,7 @@ def main(argv=None):
                     inputs = inputs.to(device)
                     samples = [s.to(device) for s in samples]
                     return _train_runner(lambda: model_train_step(model, inputs, samples),
-                                         device, ac)
+                                         device, ac, model)
                 jobs.append((t, build_train_m, call_train_m))
             elif args.mode == 'backbone':
                 def call_bb(m, hw):

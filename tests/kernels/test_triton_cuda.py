@@ -1,0 +1,154 @@
+"""The Triton cores compiled for a real GPU and checked on CUDA tensors against the float64
+reference cores: every input dtype (float32, bfloat16, float16), head dims 12 (padded to 16 inside
+the kernel), 32 and 64, batch 1 and 8, odd grids (37 x 53 tokens; Pola also with fewer keys than
+queries, as ``la_sr_ratio`` makes them), strided query views, and whole converted backbones.
+
+The reference runs on the same rounded inputs in float64, so a float32 output differs from it by
+float32 arithmetic alone (the kernels' products use ``input_precision='ieee'``, no TF32); an output
+in the input's dtype differs by that dtype's rounding. Fresh random inputs for every case; NaN
+never passes. Skipped on machines without CUDA (the interpreter tests in
+``test_pola_triton.py`` / ``test_nala_triton.py`` run the same kernels on CPU there)."""
+import zlib
+
+import pytest
+import torch
+
+from linattn_mm import deploy
+from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d
+from linattn_mm.models.attentions.pola import PolaLinearAttention
+from linattn_mm.models.backbones import LinAttnSwin
+from linattn_mm.models.backbones.nalaformer import NaLaFormer
+from linattn_mm.ops import dispatch
+from linattn_mm.ops.dispatch import triton_module
+from linattn_mm.ops.pola.reference import polarity_attention_reference
+from oracles.nala import nala_reference_core
+
+pytestmark = [
+    pytest.mark.skipif(triton_module() is None, reason='Triton is not installed'),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA'),
+]
+
+DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
+#: largest relative error (max |out - ref| / max |ref|) of an output stored in each dtype
+OUT_TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+GRID = (37, 53)  # odd on both sides: 1961 tokens, not a multiple of the 64-token blocks
+
+
+def rel(got, want):
+    got, want = got.double(), want.double()
+    assert not torch.isnan(got).any(), 'NaN in the output'
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def seeded(*key):
+    return torch.Generator(device='cuda').manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def strided_queries(B, h, N, d, g):
+    """(B, h, N, d) queries as a strided view of a (B, N, 4 h d) buffer, as ``unbind`` of a fused
+    projection gives them."""
+    q = torch.randn(B, N, 4 * h * d, device='cuda', generator=g)[..., 1::4]
+    return q.reshape(B, N, h, d).transpose(1, 2)
+
+
+@pytest.mark.parametrize('B', [1, 8])
+@pytest.mark.parametrize('d', [12, 32, 64])
+@pytest.mark.parametrize('dtype', sorted(DTYPES))
+@pytest.mark.parametrize('keys', ['all', 'reduced'])
+def test_pola_core_on_cuda(B, d, dtype, keys):
+    from linattn_mm.ops.pola.triton import polarity_attention_triton
+    dt = DTYPES[dtype]
+    g = seeded('pola', B, d, dtype, keys)
+    h, N = 3, GRID[0] * GRID[1]
+    n = N if keys == 'all' else 19 * 27  # la_sr_ratio 2 on the 37 x 53 grid
+    q = strided_queries(B, h, N, d, g).to(dt)
+    k, v = (torch.randn(B, h, n, d, device='cuda', generator=g).to(dt) for _ in range(2))
+    p = 1 + 4 * torch.rand(1, h, 1, d, device='cuda', generator=g)
+    s = 0.5 + torch.rand(1, h, 1, d, device='cuda', generator=g)
+    pe = (0.3 * torch.randn(1, h, n, d, device='cuda', generator=g)).to(dt)
+    qq, kk, vv = q.double() / s.double(), (k.double() + pe.double()) / s.double(), v.double()
+    want = polarity_attention_reference(qq, kk, vv, p.double(), 1e-6)
+    for out_dtype in (torch.float32, dt):
+        got = polarity_attention_triton(q, k, v, p, 1e-6, temperature=s, k_bias=pe,
+                                        out_dtype=out_dtype)
+        assert got.shape == (B, h, N, d) and got.dtype == out_dtype
+        err = rel(got, want)
+        assert err < OUT_TOL[out_dtype], f'{dtype} -> {out_dtype}: relative error {err:.3g}'
+
+
+@pytest.mark.parametrize('B', [1, 8])
+@pytest.mark.parametrize('d', [12, 32, 64])
+@pytest.mark.parametrize('dtype', sorted(DTYPES))
+@pytest.mark.parametrize('rope', [True, False])
+def test_nala_core_on_cuda(B, d, dtype, rope):
+    from linattn_mm.ops.nala.triton import nala_attention_triton
+    dt = DTYPES[dtype]
+    g = seeded('nala', B, d, dtype, rope)
+    h, N = 2, GRID[0] * GRID[1]
+    q = strided_queries(B, h, N, d, g).to(dt)
+    k, v = (torch.randn(B, h, N, d, device='cuda', generator=g) for _ in range(2))
+    k, v = (0.7 * k).to(dt), v.to(dt)
+    sin, cos = RoPE2d(d).cuda()(GRID) if rope else (None, None)
+    want = nala_reference_core(q.double(), k.double(), v.double(), 3., 1e-6,
+                               (sin.double(), cos.double()) if rope else None)
+    for out_dtype in (torch.float32, dt):
+        got = nala_attention_triton(q, k, v, 3., 1e-6, sin, cos, out_dtype=out_dtype)
+        assert got.shape == (B, h, N, d) and got.dtype == out_dtype
+        err = rel(got, want)
+        assert err < OUT_TOL[out_dtype], f'{dtype} -> {out_dtype}: relative error {err:.3g}'
+
+
+def _randomise(net, seed):
+    """Non-trivial power, temperature and position encodings (they start at zero)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, prm in net.named_parameters():
+            if name.split('.')[-1] in ('power', 'scale', 'positional_encoding'):
+                prm.copy_(0.5 * torch.randn(prm.shape, generator=g))
+
+
+def _converted_vs_reference(net, mixer_cls, x, monkeypatch):
+    """Relative error of ``net`` converted for CUDA (its mixers on the Triton cores, float32)
+    against the same net with the reference cores in float64, both on the GPU, TF32 off. A
+    failed Triton call (which would fall back to the torch kernel with a warning) fails the
+    test."""
+    mixers = [m for m in net.modules() if isinstance(m, mixer_cls)]
+    assert mixers
+    failures = []
+    monkeypatch.setattr(dispatch, 'TRITON_FAILURES', failures)
+    # the convolutions and linear layers around the mixers in exact float32 (cuDNN's default
+    # TF32 convolutions alone differ from float64 by about 3e-3)
+    monkeypatch.setattr(torch.backends.cudnn, 'allow_tf32', False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, 'allow_tf32', False)
+    net = net.cuda().eval()
+    with torch.no_grad():
+        for m in mixers:
+            m.core = 'reference'
+        want = net.double()(x.double())
+        for m in mixers:
+            m.core = 'fast'
+        deploy.convert(net.float(), 'cuda')
+        assert all(m.core == 'triton' for m in mixers)
+        got = net(x)
+    assert not failures, failures
+    return max(rel(a, b) for a, b in zip(got, want))
+
+
+def test_converted_pola_swin_on_cuda(monkeypatch):
+    torch.manual_seed(0)
+    net = LinAttnSwin(arch=dict(embed_dims=48, depths=[2, 2, 2, 2], num_heads=[2, 3, 6, 12]),
+                      attn_cfg=[dict(type='PolaLinearAttention', qkv_layout='qkvg')] * 2 + [
+                          dict(type='WindowSoftmaxAttention', window_size=7)] * 2,
+                      out_indices=(0, 1, 2, 3))
+    _randomise(net, 1)
+    x = torch.randn(2, 3, 4 * GRID[0], 4 * GRID[1], device='cuda')
+    assert _converted_vs_reference(net, PolaLinearAttention, x, monkeypatch) < 1e-5
+
+
+def test_converted_nalaformer_on_cuda(monkeypatch):
+    torch.manual_seed(0)
+    net = NaLaFormer(arch=dict(embed_dims=[32, 64, 64, 64], depths=[1, 1, 1, 1],
+                               num_heads=[1, 2, 2, 2], mlp_ratios=[2, 2, 2, 2]),
+                     attn_cfg=dict(type='NormAwareLinearAttention'), out_indices=(0, 1, 2, 3))
+    x = torch.randn(2, 3, 4 * GRID[0], 4 * GRID[1], device='cuda')
+    assert _converted_vs_reference(net, NormAwareLinearAttention, x, monkeypatch) < 1e-5
