@@ -262,6 +262,30 @@ TABLE = {
         Run('benchmark_nala_core', '--device cpu --dtype fp32 --impls torch reference --compare '
             'reference --grid 8x8 --batch 1 (no GPU in CI; the Triton kernel itself is tested '
             'through the interpreter by tests/kernels/test_nala_triton.py)'),
+    # ---- docs/benchmarks.md, "On a GPU"
+    'python tools/benchmark.py --mode core --attn pola --device cuda --dtype bf16 --grid 128x128 '
+    '256x256 --batch 8 --warmup 3 --repeats 10 --impls triton torch reference --compare torch':
+        Run('gpu_benchmark_core', '--device cpu --dtype fp32 --impls torch reference --compare '
+            'reference --grid 8x8 --batch 1 --warmup 0 --repeats 1 (no GPU in CI; the Triton '
+            'cores are checked on CUDA by tests/kernels/test_triton_cuda.py where there is one)'),
+    'python tools/benchmark.py --mode backbone pola-swin-t nalaformer-t swin-t pola-pvt-t pvt-t '
+    '--device cuda --dtype bf16 --sizes 800x1344 --batch 8 --warmup 3 --repeats 10 --impls fast '
+    'torch --compare swin-t pola-pvt-t:pvt-t':
+        Run('gpu_benchmark_backbone', '--device cpu --dtype fp32 --sizes 64x96 --batch 1 '
+            '--warmup 0 --repeats 1 (no GPU in CI)'),
+    'python tools/benchmark.py --mode train pola-swin-t nalaformer-t swin-t linattn-swin-t '
+    'pola-pvt-t pvt-t --device cuda --dtype bf16 --sizes 800x1344 --batch 8 --warmup 3 '
+    '--repeats 10 --compare swin-t pola-pvt-t:pvt-t':
+        Run('gpu_benchmark_train', '--device cpu --sizes 64x96 --batch 1 --warmup 0 --repeats 1 '
+            '(no GPU in CI; bf16 autocast on CPU)'),
+    "python tools/benchmark.py --mode train "
+    "configs/polaformer/mask-rcnn_pola-swin-t_fpn_1x_coco.py "
+    "configs/nalaformer/mask-rcnn_nalaformer-t_fpn_1x_coco.py "
+    "'mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py' --part model --device cuda "
+    "--sizes 800x1333 --batch 2 --warmup 3 --repeats 10 "
+    "--compare 'mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'":
+        Run('gpu_benchmark_train_mask_rcnn', '--device cpu --sizes 128x192 --batch 1 '
+            '--warmup 0 --repeats 1 (no GPU in CI)'),
     # ---- docs/new_detector_config.md
     '.venv/bin/python tools/train.py configs/mine/atss_swin-t_fpn_1x_coco.py':
         Run('new_detector_config', 'run in tmp: configs/mine/atss_swin-t_fpn_1x_coco.py is the '
@@ -719,6 +743,60 @@ def case_benchmark_train_mask_rcnn(sh, tmp_path):
     assert f'# time ratios: {stock} / this' in out
     assert re.search(_RATIO.format(name=re.escape(ours), impl=r'\S+', size='128x192'), out,
                      re.M), out[-3000:]
+
+
+def _gpu_cmd(key_start):
+    """The TABLE key (a docs/benchmarks.md GPU command) that starts with ``key_start``."""
+    (cmd, ) = [c for c in TABLE if c.startswith(key_start) and '--device cuda' in c]
+    return cmd
+
+
+def case_gpu_benchmark_core(sh, tmp_path):
+    cmd = _gpu_cmd('python tools/benchmark.py --mode core --attn pola')
+    out = sh(cmd, doc_argv(cmd, values={'--device': ['cpu'], '--dtype': ['fp32'],
+                                        '--impls': ['torch', 'reference'],
+                                        '--compare': ['reference'], '--grid': ['8x8'],
+                                        '--batch': ['1'], '--warmup': ['0'], '--repeats': ['1']}))
+    assert re.search(r'^pola-core-h3-d32 reference B1 8x8 fp32: +[\d.]+ ms .* MiB moved at '
+                     r'least, +[\d.]+ GB/s', out, re.M), out[-3000:]
+    assert re.search(r'^  torch vs reference: [\d.]+x$', out, re.M), out[-3000:]
+
+
+def case_gpu_benchmark_backbone(sh, tmp_path):
+    cmd = _gpu_cmd('python tools/benchmark.py --mode backbone')
+    out = sh(cmd, doc_argv(cmd, values={'--device': ['cpu'], '--dtype': ['fp32'],
+                                        '--sizes': ['64x96'], '--batch': ['1'],
+                                        '--warmup': ['0'], '--repeats': ['1']}))
+    for base, name in (('swin-t', 'pola-swin-t'), ('swin-t', 'nalaformer-t'),
+                       ('pvt-t', 'pola-pvt-t')):
+        assert f'# time ratios: {base} / this' in out
+        for impl in ('fast', 'torch'):
+            assert re.search(_RATIO.format(name=name, impl=impl, size='64x96'), out, re.M), \
+                out[-3000:]
+
+
+def case_gpu_benchmark_train(sh, tmp_path):
+    cmd = _gpu_cmd('python tools/benchmark.py --mode train pola-swin-t')
+    out = sh(cmd, doc_argv(cmd, values={'--device': ['cpu'], '--sizes': ['64x96'],
+                                        '--batch': ['1'], '--warmup': ['0'], '--repeats': ['1']}))
+    assert 'dtype bf16' in out and 'FAILED' not in out, out[-3000:]
+    for base, name in (('swin-t', 'pola-swin-t'), ('swin-t', 'nalaformer-t'),
+                       ('swin-t', 'linattn-swin-t'), ('pvt-t', 'pola-pvt-t')):
+        assert f'# time ratios: {base} / this' in out
+        assert re.search(_RATIO.format(name=name, impl=r'\S+', size='64x96'), out, re.M), \
+            out[-3000:]
+
+
+def case_gpu_benchmark_train_mask_rcnn(sh, tmp_path):
+    stock = 'mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'
+    cmd = _gpu_cmd('python tools/benchmark.py --mode train configs/polaformer/')
+    out = sh(cmd, doc_argv(cmd, values={'--device': ['cpu'], '--sizes': ['128x192'],
+                                        '--batch': ['1'], '--warmup': ['0'], '--repeats': ['1']}))
+    assert f'# time ratios: {stock} / this' in out
+    for ours in ('configs/polaformer/mask-rcnn_pola-swin-t_fpn_1x_coco.py',
+                 'configs/nalaformer/mask-rcnn_nalaformer-t_fpn_1x_coco.py'):
+        assert re.search(_RATIO.format(name=re.escape(ours), impl=r'\S+', size='128x192'), out,
+                         re.M), out[-3000:]
 
 
 def case_benchmark_train_scale(sh, tmp_path):
