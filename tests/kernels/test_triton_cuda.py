@@ -21,6 +21,7 @@ from linattn_mm.models.backbones.nalaformer import NaLaFormer
 from linattn_mm.ops import dispatch
 from linattn_mm.ops.dispatch import triton_module
 from linattn_mm.ops.pola.reference import polarity_attention_reference
+from kernels.triton_interpret_checks import randomise_pola_
 from oracles.nala import nala_reference_core
 
 pytestmark = [
@@ -98,15 +99,6 @@ def test_nala_core_on_cuda(B, d, dtype, rope):
         assert err < OUT_TOL[out_dtype], f'{dtype} -> {out_dtype}: relative error {err:.3g}'
 
 
-def _randomise(net, seed):
-    """Non-trivial power, temperature and position encodings (they start at zero)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, prm in net.named_parameters():
-            if name.split('.')[-1] in ('power', 'scale', 'positional_encoding'):
-                prm.copy_(0.5 * torch.randn(prm.shape, generator=g))
-
-
 def _converted_vs_reference(net, mixer_cls, x, monkeypatch):
     """Relative error of ``net`` converted for CUDA (its mixers on the Triton cores, float32)
     against the same net with the reference cores in float64, both on the GPU, TF32 off. A
@@ -140,7 +132,7 @@ def test_converted_pola_swin_on_cuda(monkeypatch):
                       attn_cfg=[dict(type='PolaLinearAttention', qkv_layout='qkvg')] * 2 + [
                           dict(type='WindowSoftmaxAttention', window_size=7)] * 2,
                       out_indices=(0, 1, 2, 3))
-    _randomise(net, 1)
+    randomise_pola_(net, 1)  # non-trivial power, temperature and position encodings
     x = torch.randn(2, 3, 4 * GRID[0], 4 * GRID[1], device='cuda')
     assert _converted_vs_reference(net, PolaLinearAttention, x, monkeypatch) < 1e-5
 
