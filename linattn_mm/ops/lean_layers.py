@@ -119,16 +119,16 @@ class DepthwiseConvTokens(torch.autograd.Function):
     """``conv2d(map(v), weight, bias, padding, groups=C)`` of (B, H*W, C) tokens (a square
     ``k x k`` kernel, stride 1, padding ``(k - 1) / 2``), returned as (B, H*W, C) tokens.
 
-    Both passes run over bands of image rows (:func:`conv_band_rows`; one band, the whole map,
-    off CPU): each band of ``v`` (or of the output gradient) is copied with its halo into one
-    small zero-padded channels-last buffer and convolved there, so no full-size copy of the map is
-    made, and ``v`` (a view of the projection output, kept anyway) is all that is kept. The
-    backward (:func:`conv_backward_form`, or ``backward_form``) is either ``'bands'``: ``dv`` as
-    the conv of the gradient's bands with the flipped kernel and the weight gradient as a forward
-    conv of each band of ``v`` with the gradient band as its kernel, the bands' (C, k, k) results
-    summed in float64 (in float32 for half-precision gradients); or ``'aten'``: one
-    ``aten.convolution_backward`` of the gradient against the channels-last view of ``v``. The
-    bias gradient is a sum."""
+    The forward runs over bands of image rows (:func:`conv_band_rows`): each band of ``v`` is
+    copied with its halo into one small zero-padded channels-last buffer and convolved there, so
+    on CPU no full-size copy of the map is made (off CPU there is one band: one temporary padded
+    copy of the map); ``v`` (a view of the projection output, kept anyway) is all that is kept. The
+    backward (:func:`conv_backward_form`, or ``backward_form``) is either ``'bands'``, over the
+    same bands: ``dv`` as the conv of the gradient's bands with the flipped kernel and the weight
+    gradient as a forward conv of each band of ``v`` with the gradient band as its kernel, the
+    bands' (C, k, k) results summed in float64 (in float32 for half-precision gradients); or
+    ``'aten'``: one ``aten.convolution_backward`` of the gradient against the channels-last view
+    of ``v``. The bias gradient is a sum."""
 
     @staticmethod
     def forward(ctx, v, hw_shape, weight, bias, padding, rows=None, backward_form=None):

@@ -9,8 +9,10 @@ mean and inverse deviation: the normalised input, the activation and the conv br
 recomputed in the backward, where the gradients are the usual ones written out
 (``gelu_backward``, ``native_layer_norm_backward``, ``convolution_backward``). :class:`FFNBranch`
 runs over chunks of tokens on CPU, so that no hidden-width map but the kept ``fc1`` output is
-made whole (each fresh full-size map costs its page faults and a pass through memory). Under autocast the products run in the autocast dtype as in the plain
-form; the backward computes in the dtype of the saved activations and returns each gradient in
+made whole (each fresh full-size map costs its page faults and a pass through memory). Under
+autocast the products run in the autocast dtype as in the plain form, and the layer norms in
+float32 (as autocast runs ``layer_norm`` on CUDA); the backward computes in the dtype of the saved
+activations (its layer norm in float32 for a half-precision input) and returns each gradient in
 its input's dtype.
 """
 import torch
@@ -123,7 +125,7 @@ class FFNBranch(torch.autograd.Function):
                 acc['b2'] = add_or_take(acc['b2'], g_c.sum(0))
             dh_c = torch.ops.aten.gelu_backward(g_c @ w2_, h_c, approximate=ctx.approximate)
             del h_c
-            x_c = x2[i:i + step]
+            x_c = _ln_input(x2[i:i + step])  # one float32 copy of a half-precision chunk
             n_c, mean, rstd = _layer_norm(x_c, ln_w, ln_b, ctx.eps)
             if need[4]:
                 acc['w1'] = add_or_take(acc['w1'], dh_c.t() @ n_c.to(dt))
@@ -139,7 +141,8 @@ class FFNBranch(torch.autograd.Function):
                 acc['lw'] = add_or_take(acc['lw'], dlw)
             if ln_mask[2]:
                 acc['lb'] = add_or_take(acc['lb'], dlb)
-        return (None if dx is None else dx.view(x.shape), acc['lw'], acc['lb'], None,
+        return (None if dx is None else dx.view(x.shape), _to(acc['lw'], ln_w),
+                _to(acc['lb'], ln_b), None,
                 _to(acc['w1'], w1), _to(acc['b1'], w1), _to(acc['w2'], w2), _to(acc['b2'], w2),
                 None, None)
 
@@ -181,11 +184,13 @@ class ConvFFNBranch(torch.autograd.Function):
         del d_amap, dz, a
         dpre = torch.ops.aten.gelu_backward(da, pre.to(dt), approximate=ctx.approximate)
         del da
-        n = _layer_norm(x, ln_w, ln_b, ctx.eps)[0].reshape(-1, x.shape[-1])
+        xf = _ln_input(x)  # one float32 copy of a half-precision x for both passes
+        n = _layer_norm(xf, ln_w, ln_b, ctx.eps)[0].reshape(-1, x.shape[-1])
         dn, dw1, db1 = _linear_grads(dpre.reshape(-1, R), n, w1, need[4], need[5] and ctx.has_b1)
         del dpre, n
-        dx, dlw, dlb = _ln_backward(ctx, dn.reshape(x.shape), x, ln_w, ln_b, mean, rstd, 0)
-        return (dx, dlw, dlb, None, _to(dw1, w1), _to(db1, w1), _to(ddw, dw_w), _to(ddb, dw_w),
+        dx, dlw, dlb = _ln_backward(ctx, dn.reshape(x.shape), xf, ln_w, ln_b, mean, rstd, 0)
+        del xf
+        return (_to(dx, x), _to(dlw, ln_w), _to(dlb, ln_b), None, _to(dw1, w1), _to(db1, w1), _to(ddw, dw_w), _to(ddb, dw_w),
                 _to(dw2, w2), _to(db2, w2), None)
 
 
