@@ -42,13 +42,12 @@ def _layer_norm(x, weight, bias, eps):
     return n.to(x.dtype), mean, rstd
 
 
-def _layer_norm_backward(dn, x, mean, rstd, weight, bias, mask):
-    """``native_layer_norm_backward`` in the dtype of :func:`_layer_norm`; the input gradient in
-    ``x``'s dtype, the affine parameters' in float32 (or ``x``'s, if wider)."""
-    xf = _ln_input(x)
-    dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-        dn.to(xf.dtype), xf, (x.shape[-1], ), mean, rstd, _to(weight, xf), _to(bias, xf), mask)
-    return None if dx is None else dx.to(x.dtype), dw, db
+def _layer_norm_backward(dn, xf, mean, rstd, weight, bias, mask):
+    """``native_layer_norm_backward`` of the input ``xf`` as :func:`_ln_input` gives it (the
+    callers make that float32 copy once for both layer-norm passes); the gradients in ``xf``'s
+    dtype."""
+    return torch.ops.aten.native_layer_norm_backward(
+        dn.to(xf.dtype), xf, (xf.shape[-1], ), mean, rstd, _to(weight, xf), _to(bias, xf), mask)
 
 
 def _linear_grads(grad, inp, weight, need_w, need_b):
@@ -60,12 +59,12 @@ def _linear_grads(grad, inp, weight, need_w, need_b):
     return d_in, d_w, d_b
 
 
-def _ln_backward(ctx, dn, x, ln_w, ln_b, mean, rstd, first):
-    """Gradients of the input and the LayerNorm's affine parameters (inputs ``first``,
-    ``first + 1``, ``first + 2`` of the Function)."""
+def _ln_backward(ctx, dn, xf, ln_w, ln_b, mean, rstd, first):
+    """Gradients of the input ``xf`` (as :func:`_ln_input` gives it) and the LayerNorm's affine
+    parameters (inputs ``first``, ``first + 1``, ``first + 2`` of the Function)."""
     need = ctx.needs_input_grad
     return _layer_norm_backward(
-        dn, x, mean, rstd, ln_w, ln_b,
+        dn, xf, mean, rstd, ln_w, ln_b,
         [need[first], ln_w is not None and need[first + 1], ln_b is not None and need[first + 2]])
 
 
@@ -190,8 +189,8 @@ class ConvFFNBranch(torch.autograd.Function):
         del dpre, n
         dx, dlw, dlb = _ln_backward(ctx, dn.reshape(x.shape), xf, ln_w, ln_b, mean, rstd, 0)
         del xf
-        return (_to(dx, x), _to(dlw, ln_w), _to(dlb, ln_b), None, _to(dw1, w1), _to(db1, w1), _to(ddw, dw_w), _to(ddb, dw_w),
-                _to(dw2, w2), _to(db2, w2), None)
+        return (_to(dx, x), _to(dlw, ln_w), _to(dlb, ln_b), None, _to(dw1, w1), _to(db1, w1),
+                _to(ddw, dw_w), _to(ddb, dw_w), _to(dw2, w2), _to(db2, w2), None)
 
 
 def _conv_sum(a, dw_w, dw_b, pad):
