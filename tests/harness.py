@@ -1,6 +1,7 @@
 """The test harness: the repository's paths, running the tools (in a subprocess or in this
 process), short-run options for any config, the demo form of a config, spying on calls, and the
 check that a converted module refuses calls that are not inference calls."""
+import glob
 import json
 import os
 import os.path as osp
@@ -13,6 +14,14 @@ import pytest
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))  # tests/harness.py -> the repository
 CONFIGS = osp.join(REPO, 'configs')
 CHECKPOINT_SUFFIXES = ('.pth', '.pt', '.safetensors')
+
+
+def all_configs():
+    """The configs of ``configs/`` (not the ``_base_`` files), as repository-relative paths with
+    ``/``."""
+    paths = glob.glob(osp.join(CONFIGS, '**', '*.py'), recursive=True)
+    rel = {osp.relpath(p, REPO).replace(os.sep, '/') for p in paths}
+    return {p for p in rel if '_base_' not in p.split('/')}
 
 
 def drop_checkpoints(root):

@@ -17,7 +17,7 @@ import os
 import os.path as osp
 import re
 
-from harness import REPO
+from harness import REPO, all_configs
 
 ZOO = osp.join(REPO, 'docs', 'model_zoo')
 LINK = re.compile(r'\]\(([^)\s]+\.py)\)')
@@ -54,12 +54,6 @@ def references(page):
         for m in CONFIG_PATH.finditer(span):
             refs.update(expand_braces(m.group(0)))
     return refs
-
-
-def all_configs():
-    paths = glob.glob(osp.join(REPO, 'configs', '**', '*.py'), recursive=True)
-    rel = {osp.relpath(p, REPO).replace(os.sep, '/') for p in paths}
-    return {p for p in rel if '_base_' not in p.split('/')}
 
 
 def test_expand_braces():
