@@ -4,7 +4,8 @@ import torch
 
 __all__ = ['grad_needed', 'sign_split', 'linear_into', 'chunked_layer_setup', 'MIN_CHUNK_ROWS',
            'numpy_log2_', 'NUMPY_LOG2_MAX_THREADS', 'core_dtype', 'no_autocast',
-           'token_chunk_rows', 'TOKEN_CHUNK_ELEMENTS', 'TOKEN_MIN_ROWS', 'add_or_take']
+           'token_chunk_rows', 'TOKEN_CHUNK_ELEMENTS', 'TOKEN_MIN_ROWS', 'add_or_take',
+           'token_gram', 'token_gram_parts', 'TOKENS_PER_GRAM_PART']
 
 
 def grad_needed(*tensors):
@@ -70,6 +71,64 @@ def token_chunk_rows(name, t, width, rows=None):
 def add_or_take(acc, t):
     """``acc += t`` for the sums over chunks (``acc`` None at the first chunk: ``t`` itself)."""
     return t if acc is None else acc.add_(t)
+
+
+#: fewest tokens per part of :func:`token_gram` off CPU (None: one part everywhere)
+TOKENS_PER_GRAM_PART = 2048
+
+
+def token_gram_parts(t, tokens):
+    """Parts of the sum over ``tokens`` tokens in :func:`token_gram` for operands like ``t``: one
+    on CPU (the training Functions there already work over cache-sized chunks of tokens, each
+    adding its own product) and for half-precision operands (their partial sums would each be
+    rounded); elsewhere ``P = tokens // TOKENS_PER_GRAM_PART`` or, where one exists, the largest
+    divisor of ``tokens`` between ``P / 2`` and ``P`` (parts of 2048 to 4096 tokens that leave
+    none over: then a contiguous operand is cut into parts without a copy); one below 4096
+    tokens.
+
+    Why: these products have a small output (a (d, d + 2) matrix per head, or one part of a
+    projection's weight gradient) and a long sum (all tokens of a stage-1 map: 67200 at
+    800 x 1344), so a GEMM that does not split its sum runs on as few of the GPU's
+    multiprocessors as the output has tiles. In a profile of a Pola-Swin-T training step on an
+    H100 (float32, batch 1), 24 GEMMs with 32 x 32 tiles took 0.94 ms each, 18 % of the GPU time;
+    the (B, h) products of the Pola core and the per-part weight gradients of
+    :class:`~linattn_mm.ops.lean_layers.SplitLinear` are of that shape. In parts, one batched GEMM
+    covers every part's tiles at once and a sum over the parts follows. Not measured on a GPU
+    yet."""
+    if (TOKENS_PER_GRAM_PART is None or t.device.type == 'cpu'
+            or t.dtype not in (torch.float32, torch.float64)):
+        return 1
+    most = tokens // TOKENS_PER_GRAM_PART
+    for parts in range(most, (most + 1) // 2 - 1, -1):
+        if parts > 1 and tokens % parts == 0:
+            return parts
+    return max(1, most)
+
+
+def token_gram(a, b, acc=None):
+    """``a^T b`` summed over the tokens: ``a`` (..., T, M), ``b`` (..., T, N) -> (..., M, N),
+    added into ``acc`` in place when it is given (no autograd graph is needed by the callers).
+    In :func:`token_gram_parts` parts: the first ``parts * (T // parts)`` tokens as one batched
+    product of the parts, summed over them, plus the product of the tokens left over. The batched
+    product copies an operand whose batch dims and parts cannot be one stride (a head-split view
+    of a (B, N, h, d) map at batch 1; any operand of more than two dims when tokens are left
+    over)."""
+    T = a.shape[-2]
+    parts = min(token_gram_parts(a, T), T)
+    if parts <= 1:
+        if acc is None:
+            return a.transpose(-2, -1) @ b
+        if a.dim() == 2:
+            return acc.addmm_(a.t(), b)
+        return acc.add_(a.transpose(-2, -1) @ b)
+    L = T // parts
+    main = parts * L
+    split = torch.matmul(a[..., :main, :].unflatten(-2, (parts, L)).transpose(-2, -1),
+                         b[..., :main, :].unflatten(-2, (parts, L)))
+    out = split.sum(-3) if acc is None else acc.add_(split.sum(-3))
+    if main < T:
+        out.add_(a[..., main:, :].transpose(-2, -1) @ b[..., main:, :])
+    return out
 
 
 def chunked_layer_setup(name, x, num_heads, rows, default_rows, chunk_elements, even_head_dim,

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .common import add_or_take, linear_into, token_chunk_rows
+from .common import add_or_take, linear_into, token_chunk_rows, token_gram
 
 __all__ = ['DepthwiseConvTokens', 'depthwise_conv_tokens', 'GatedLinear', 'NormGatedLinear',
            'SplitLinear', 'split_linear',
@@ -248,7 +248,7 @@ class GatedLinear(torch.autograd.Function):
                     torch.mul(u, s_c, out=dg[i:i + step])
                 del u
             if need[2]:
-                dw = add_or_take(dw, gr.t() @ (s_c * g_c))
+                dw = add_or_take(dw, token_gram(gr, s_c * g_c))
             if ctx.has_bias and need[3]:
                 db = add_or_take(db, gr.sum(0))
         return (None if ds is None else ds.view(s.shape),
@@ -275,7 +275,7 @@ class NormGatedLinear(torch.autograd.Function):
         a = F.silu(g.to(dt))
         g2 = grad.reshape(-1, grad.shape[-1])
         u = (g2 @ weight.to(dt)).reshape(s.shape)
-        dw = g2.t() @ (n * a).reshape(-1, C) if need[5] else None
+        dw = token_gram(g2, (n * a).reshape(-1, C)) if need[5] else None
         db = g2.sum(0) if ctx.has_bias and need[6] else None
         dg = torch.ops.aten.silu_backward(u * n, g.to(dt)).to(g.dtype) if need[4] else None
         dn = (u * a).to(s.dtype)
@@ -342,7 +342,7 @@ class SplitLinear(torch.autograd.Function):
                         dx[r0:r0 + step].addmm_(g_c, w[part])
                     first = False
                 if want_w:
-                    dw[part].addmm_(g_c.t(), x_c)
+                    token_gram(g_c, x_c, acc=dw[part])
                 if want_b:
                     db[part] += g_c.sum(0)
         if dx is not None:

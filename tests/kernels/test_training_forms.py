@@ -15,6 +15,7 @@ from linattn_mm.models.attentions.nala import RoPE2d
 from linattn_mm.models.backbones import LinAttnPVT, LinAttnSwin, LinAttnViT
 from linattn_mm.models.backbones.nalaformer import ConvFFN, NaLaFormer
 from linattn_mm.models.utils.layers import Mlp
+from linattn_mm.ops import common
 from linattn_mm.ops.ffn import FFNBranch, conv_ffn_branch, ffn_branch
 from linattn_mm.ops.lean_layers import (CONV_BACKWARD_FORMS, DepthwiseConvTokens, GatedLinear,
                                         NormGatedLinear, conv_backward_form)
@@ -434,3 +435,97 @@ def test_conv_backward_form_is_chosen_by_device():
     with pytest.raises(ValueError, match=r"backward form must be one of \('bands', 'aten'\), "
                        r"got 'fast'"):
         conv_backward_form('cpu', 'fast')
+
+
+# ------------------------------------------------------------------------------------------------
+# sums over the tokens in parts (the GPU form of token_gram), forced on CPU
+# ------------------------------------------------------------------------------------------------
+def test_token_gram_parts_by_device_and_dtype(monkeypatch):
+    """One part on CPU and for half precision; off CPU about ``tokens // 2048``, a divisor of the
+    tokens where one lies between half that and that (67200 tokens: 32 parts of 2100; 54400: 25
+    of 2176), tokens left over where none does (8191: 3 parts), one part below 4096 tokens."""
+    cpu, meta = torch.empty(4, 8), torch.empty(4, 8, device='meta')
+    assert common.token_gram_parts(cpu, 67200) == 1
+    for tokens, parts in ((67200, 32), (16800, 8), (4200, 2), (54400, 25), (53760, 24),
+                          (67201, 17), (8191, 3), (4095, 1), (100, 1)):
+        assert common.token_gram_parts(meta, tokens) == parts, tokens
+    assert common.token_gram_parts(meta.double(), 16800) == 8
+    assert common.token_gram_parts(meta.bfloat16(), 67200) == 1
+    assert common.token_gram_parts(meta.half(), 67200) == 1
+    monkeypatch.setattr(common, 'TOKENS_PER_GRAM_PART', None)
+    assert common.token_gram_parts(meta, 67200) == 1
+
+
+def test_token_gram_off_cpu_shapes():
+    """The parts path as it runs off CPU (meta tensors: shapes only): tokens left over, an
+    accumulator, head-split views."""
+    a, b = torch.empty(67203, 6, device='meta'), torch.empty(67203, 5, device='meta')
+    assert common.token_gram(a, b).shape == (6, 5)
+    acc = torch.empty(6, 5, device='meta')
+    assert common.token_gram(a, b, acc=acc) is acc
+    q = torch.empty(2, 16800, 3, 32, device='meta').transpose(1, 2)
+    r = torch.empty(2, 3, 16800, 34, device='meta')
+    assert common.token_gram(q, r).shape == (2, 3, 32, 34)
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('parts', [1, 3, 7, 50])
+def test_token_gram_in_parts(monkeypatch, dtype, parts):
+    """``a^T b`` over the tokens in parts (tokens left over, more parts than tokens) equals the
+    float64 product: 2-D operands, head-split views of (B, N, h, d) maps, into an accumulator."""
+    monkeypatch.setattr(common, 'token_gram_parts', lambda t, tokens: parts)
+    tol = {torch.float32: 1e-6, torch.float64: 1e-13}[dtype]
+    g = torch.Generator().manual_seed(parts)
+    a = torch.randn(40, 6, generator=g, dtype=torch.float64)
+    b = torch.randn(40, 5, generator=g, dtype=torch.float64)
+    assert rel(common.token_gram(a.to(dtype), b.to(dtype)).double(), a.t() @ b) < tol
+    acc = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    want = acc + a.t() @ b
+    acc = acc.to(dtype)
+    assert common.token_gram(a.to(dtype), b.to(dtype), acc=acc) is acc
+    assert rel(acc.double(), want) < tol
+    q = torch.randn(2, 23, 3, 4, generator=g, dtype=torch.float64).transpose(1, 2)
+    v = torch.randn(2, 23, 3, 6, generator=g, dtype=torch.float64).transpose(1, 2)
+    for n in (23, 2):
+        want = torch.einsum('bhnd,bhne->bhde', q[:, :, :n], v[:, :, :n])
+        got = common.token_gram(q[:, :, :n].to(dtype), v[:, :, :n].to(dtype))
+        assert rel(got.double(), want) < tol
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+def test_training_forms_with_token_sums_in_parts(monkeypatch, dtype):
+    """The lean forms' products over the tokens (the Pola and NaLa cores' small matrices and their
+    gradients, the weight gradients of the split, gated and norm-gated projections) taken in
+    parts, as off CPU: outputs and gradients still equal plain autograd of the reference forms,
+    and the parts were really taken."""
+    split = []
+
+    def three_parts(t, tokens):
+        if tokens > 1:  # token_gram takes min(parts, tokens): only these are split
+            split.append(tokens)
+        return 3
+    monkeypatch.setattr(common, 'token_gram_parts', three_parts)
+    test_pola_core(dtype, 2, 3, 37, 37, 8, False, None)
+    test_pola_core(dtype, 1, 2, 40, 13, 7, False, None)
+    pola = len(split)
+    test_nala_core(dtype, 'official', True, 3.)
+    test_nala_core(dtype, 'official', False, 3.)
+    nala = len(split) - pola
+    test_small_lean_layers(dtype, True)
+    test_split_linear(dtype, True, 4, (0, 2, 3))
+    assert pola >= 8 and nala >= 4 and len(split) - pola - nala >= 6
+
+
+@pytest.mark.parametrize('name', ['pola-swin', 'pola-pvt la_sr 2', 'nalaformer released'])
+def test_backbone_gradients_with_token_sums_in_parts(monkeypatch, name):
+    """Whole backbones (float64, odd sizes) with every sum over the tokens of the lean forms in 5
+    parts: the outputs and all gradients equal the reference forms as without parts."""
+    split = []
+
+    def five_parts(t, tokens):
+        if tokens > 1:  # token_gram takes min(parts, tokens): only these are split
+            split.append(tokens)
+        return 5
+    monkeypatch.setattr(common, 'token_gram_parts', five_parts)
+    test_backbone_gradients_equal_the_reference_forms(name, False)
+    assert len(split) >= 8

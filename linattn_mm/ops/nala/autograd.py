@@ -34,6 +34,7 @@ import math
 
 import torch
 
+from ..common import token_gram
 from .fast import _query_terms, _key_power, _rot_rows, _with_rope, key_matrix, nala_forward
 from .reference import nala_attention_reference
 
@@ -83,7 +84,7 @@ class NormAwareAttention(torch.autograd.Function):
         dnum = grad / den
         dden = -(dnum * num).sum(-1, keepdim=True) / den
         del num, den
-        dFq, dW = dnum @ w.transpose(-2, -1), Fq.transpose(-2, -1) @ dnum
+        dFq, dW = dnum @ w.transpose(-2, -1), token_gram(Fq, dnum)
         del Fq, dnum
         dfq = _rope_grad(dFq, sin, cos) if rope else dFq
         del dFq

@@ -27,7 +27,7 @@ NormAwareAttention` and of the inference forms. Results equal the reference up t
 """
 import torch
 
-from ..common import numpy_log2_, sign_split
+from ..common import numpy_log2_, sign_split, token_gram
 
 __all__ = ['nala_forward', 'key_matrix']
 
@@ -87,9 +87,9 @@ def key_matrix(fk, v, sin, cos):
     / n`` (the rotation folded: ``R(x) . m = (x cos) . m + (x sin) . (-rot(m))``)."""
     n = fk.shape[-2]
     if sin is None:
-        return fk.transpose(-2, -1) @ v * (1.0 / n)
+        return token_gram(fk, v).mul_(1.0 / n)
     D = fk.shape[-1]
-    wk = _with_rope(fk, sin, cos).transpose(-2, -1) @ v  # (4d, d)
+    wk = token_gram(_with_rope(fk, sin, cos), v)  # (4d, d)
     m = (wk[..., :D, :] + _rot_rows(wk[..., D:, :])) * (1.0 / n)
     return torch.cat([m, -_rot_rows(m)], dim=-2)
 

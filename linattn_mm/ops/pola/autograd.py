@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from ..common import numpy_log2_
+from ..common import numpy_log2_, token_gram
 from .fast import chunk_rows, heads_buffer, polarity_forward, query_side, token_slice
 
 __all__ = ['PolarityAttention', 'polarity_attention_fast']
@@ -138,8 +138,8 @@ class PolarityAttention(torch.autograd.Function):
             dden = torch.stack([prod[..., :d_s].sum(-1), prod[..., d_s:].sum(-1)], dim=-1)
             dr = torch.cat([dnum, dden.div_(den).neg_()], dim=-1)  # (B, h, L, d + 2)
             del r, den, g, dnum, prod, dden
-            dw_pos += qp.transpose(-2, -1) @ dr
-            dw_neg += qn.transpose(-2, -1) @ dr
+            token_gram(qp, dr, acc=dw_pos)
+            token_gram(qn, dr, acc=dw_neg)
             dqp, dqn = dr @ w_pos.transpose(-2, -1), dr @ w_neg.transpose(-2, -1)
             del qp, qn, dr
             _, d_inv, dp = terms.backward(dqp, dqn, None if dq is None else dq[:, :, sl])

@@ -32,7 +32,7 @@ float64, gradients included).
 """
 import torch
 
-from ..common import MIN_CHUNK_ROWS, numpy_log2_, sign_split
+from ..common import MIN_CHUNK_ROWS, numpy_log2_, sign_split, token_gram, token_gram_parts
 
 __all__ = ['polarity_features', 'polarity_forward', 'query_side', 'chunk_rows', 'heads_buffer',
            'token_slice', 'TRAIN_CHUNK_ELEMENTS']
@@ -175,7 +175,9 @@ def polarity_forward(q, k, v, p, eps, inv_scale, k_bias, rows=None):
         sl = slice(i, min(i + step, n))
         kp, kn = _pos_neg_nograd(k[:, :, sl], p, inv_scale, token_slice(k_bias, sl, n))
         v_c = v[:, :, sl].to(kp.dtype)
-        parts = (kp.transpose(-2, -1) @ v_c, kn.transpose(-2, -1) @ v_c,
+        if token_gram_parts(v_c, v_c.shape[-2]) > 1:  # one copy of a head view for both products
+            v_c = v_c.contiguous()
+        parts = (token_gram(kp, v_c), token_gram(kn, v_c),
                  kp.sum(dim=-2).unsqueeze(-1), kn.sum(dim=-2).unsqueeze(-1))
         if kvp is None:
             kvp, kvn, ksp, ksn = parts
