@@ -94,13 +94,14 @@ def conv_backward_form(device, form=None):
 
 class _Bands:
     """Zero-padded row bands of (B, H, W, C) maps: ``fill(src, r0, r1)`` copies rows
-    ``r0 - p .. r1 + p`` of ``src`` into a reused (B, r1 - r0 + 2p, W + 2p, C) buffer, with zeros
-    outside the map (the conv's padding), and returns it as a channels-last (B, C, ., .) map."""
+    ``r0 - p .. r1 + p`` of ``src`` into a reused (B, r1 - r0 + 2p, W + 2p, C) buffer of
+    ``dtype`` (``like``'s if None; the copy casts), with zeros outside the map (the conv's
+    padding), and returns it as a channels-last (B, C, ., .) map."""
 
-    def __init__(self, like, rows, pad):
+    def __init__(self, like, rows, pad, dtype=None):
         B, H, W, C = like.shape
         self.H, self.W, self.p = H, W, pad
-        self.buf = like.new_zeros(B, rows + 2 * pad, W + 2 * pad, C)
+        self.buf = like.new_zeros(B, rows + 2 * pad, W + 2 * pad, C, dtype=dtype)
 
     def fill(self, src, r0, r1):
         p, H = self.p, self.H
@@ -128,7 +129,12 @@ class DepthwiseConvTokens(torch.autograd.Function):
     gradient as a forward conv of each band of ``v`` with the gradient band as its kernel, the
     bands' (C, k, k) results summed in float64 (in float32 for half-precision gradients); or
     ``'aten'``: one ``aten.convolution_backward`` of the gradient against the channels-last view
-    of ``v``. The bias gradient is a sum."""
+    of ``v``. The bias gradient is a sum.
+
+    The conv computes in the dtype of ``weight``; ``v`` may come in a lower precision (NaLa's
+    half-precision projection under autocast, whose LePE runs in float32): it is kept as it is,
+    cast band by band (the ``'aten'`` backward casts the whole map), and its gradient comes back
+    in its dtype."""
 
     @staticmethod
     def forward(ctx, v, hw_shape, weight, bias, padding, rows=None, backward_form=None):
@@ -141,7 +147,7 @@ class DepthwiseConvTokens(torch.autograd.Function):
         p = k // 2
         step = conv_band_rows(B, H, W, C, p, v.device, rows)
         src = v.view(B, H, W, C) if v.is_contiguous() else v.reshape(B, H, W, C)
-        bands = _Bands(src, step, p)
+        bands = _Bands(src, step, p, weight.dtype)
         out = None
         for r0 in range(0, H, step):
             r1 = min(H, r0 + step)
@@ -164,12 +170,12 @@ class DepthwiseConvTokens(torch.autograd.Function):
         k = weight.shape[-1]
         p, step = k // 2, ctx.rows
         g = grad.reshape(B, H, W, C)
-        x = v.reshape(B, H, W, C).to(dt)
+        x = v.reshape(B, H, W, C)
         w = weight.to(dt)
         db = grad.sum((0, 1)) if ctx.has_bias and need[3] else None
         if ctx.form == 'aten':
             dv, dw, _ = torch.ops.aten.convolution_backward(
-                g.contiguous().permute(0, 3, 1, 2), x.permute(0, 3, 1, 2), w, None, [1, 1],
+                g.contiguous().permute(0, 3, 1, 2), x.to(dt).permute(0, 3, 1, 2), w, None, [1, 1],
                 [p, p], [1, 1], False, [0, 0], C, [need[0], need[2], False])
             if dv is not None:
                 dv = dv.permute(0, 2, 3, 1).reshape(B, N, C).to(v.dtype)
@@ -181,7 +187,7 @@ class DepthwiseConvTokens(torch.autograd.Function):
             w_flip = w.flip(-2, -1)
             g_bands = _Bands(g, step, p)
         if need[2]:
-            x_bands = _Bands(x, step, p)
+            x_bands = _Bands(x, step, p, dt)
         for r0 in range(0, H, step):
             r1 = min(H, r0 + step)
             if dv is not None:
@@ -256,14 +262,16 @@ class GatedLinear(torch.autograd.Function):
 
 
 class NormGatedLinear(torch.autograd.Function):
-    """``linear(layer_norm(s) * silu(g), weight, bias)``, the LayerNorm over the last dim."""
+    """``linear(layer_norm(s) * silu(g), weight, bias)``, the LayerNorm over the last dim. The
+    gate ``g`` may come in a lower precision than ``s`` (NaLa's half-precision projection under
+    autocast): its SiLU is taken in the dtype of ``s``, and it is kept as it is."""
 
     @staticmethod
     def forward(ctx, s, ln_w, ln_b, eps, g, weight, bias):
         n, mean, rstd = torch.native_layer_norm(s, (s.shape[-1], ), ln_w, ln_b, eps)
         ctx.eps, ctx.has_bias = eps, bias is not None
         ctx.save_for_backward(s, ln_w, ln_b, mean, rstd, g, weight)
-        return F.linear(n * F.silu(g), weight, bias)
+        return F.linear(n * F.silu(g.to(n.dtype)), weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
@@ -359,14 +367,16 @@ def split_linear(x, linear, parts, lean=True):
 
 
 def depthwise_conv_tokens(v, hw_shape, weight, bias, padding, lean=True):
-    """The depth-wise conv of (B, H*W, C) tokens on their grid, as (B, H*W, C) tokens: through
-    :class:`DepthwiseConvTokens` (``lean``, the training form: keeps no copy of the map) or plain
-    autograd of ``conv2d`` on the channels-last view of the tokens (the reference)."""
+    """The depth-wise conv of (B, H*W, C) tokens on their grid, as (B, H*W, C) tokens in the dtype
+    of ``weight``: through :class:`DepthwiseConvTokens` (``lean``, the training form: keeps no
+    copy of the map) or plain autograd of ``conv2d`` on the channels-last view of the tokens (the
+    reference)."""
     if lean:
         return DepthwiseConvTokens.apply(v, tuple(hw_shape), weight, bias, padding)
     B, N, C = v.shape
     H, W = hw_shape
-    grid = v.reshape(B, H, W, C).permute(0, 3, 1, 2)  # channels-last strides, no copy
+    # channels-last strides, no copy (a cast to the weight's dtype, as the lean form computes)
+    grid = v.reshape(B, H, W, C).permute(0, 3, 1, 2).to(weight.dtype)
     return F.conv2d(grid, weight, bias, padding=padding, groups=C).flatten(2).transpose(1, 2)
 
 

@@ -529,3 +529,107 @@ def test_backbone_gradients_with_token_sums_in_parts(monkeypatch, name):
     monkeypatch.setattr(common, 'token_gram_parts', five_parts)
     test_backbone_gradients_equal_the_reference_forms(name, False)
     assert len(split) >= 8
+
+
+# ------------------------------------------------------------------------------------------------
+# half-precision inputs (the projections under autocast): kept as they are, computed in float32
+# ------------------------------------------------------------------------------------------------
+def _half_inputs_against_float32(fast, ref, halves, others, out_tol=1e-5):
+    """``fast`` on bfloat16 ``halves`` and float32 ``others`` against ``ref`` on float32 copies of
+    the same values: the outputs to ``out_tol`` (both in float32), the gradients of the halves in
+    bfloat16 within one bfloat16 rounding (each side rounds the same float32 gradient), those of
+    the others in float32 to 1e-5."""
+    g = torch.Generator().manual_seed(7)
+    hs = [t.detach().bfloat16().requires_grad_() for t in halves]
+    hr = [t.detach().float().requires_grad_() for t in hs]
+    os_f = [t.detach().clone().requires_grad_(t.requires_grad) if torch.is_tensor(t) else t
+            for t in others]
+    os_r = [t.detach().clone().requires_grad_(t.requires_grad) if torch.is_tensor(t) else t
+            for t in others]
+    out_f, out_r = fast(*hs, *os_f), ref(*hr, *os_r)
+    assert out_f.dtype == out_r.dtype == torch.float32
+    assert rel(out_f.detach(), out_r.detach()) < out_tol
+    w = torch.randn(out_r.shape, generator=g)
+    (out_f * w).sum().backward()
+    (out_r * w).sum().backward()
+    for a, b in zip(hs, hr):
+        assert a.grad.dtype == torch.bfloat16 and rel(a.grad.float(), b.grad) < 8e-3
+    for a, b in zip(os_f, os_r):
+        if torch.is_tensor(a) and a.requires_grad:
+            assert a.grad.dtype == torch.float32 and rel(a.grad, b.grad) < 1e-5
+
+
+def test_cores_take_half_precision_inputs_as_they_are():
+    """The Pola and NaLa training Functions with bfloat16 q, k, v (and a bfloat16 key bias) equal
+    the reference cores on float32 copies; they keep the bfloat16 tensors for backward, not
+    float32 copies (the saved storages are the inputs' own)."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (rand(2, 3, 37, 8, dtype=torch.float32, g=g) for _ in range(3))
+    b = rand(1, 3, 37, 8, dtype=torch.float32, g=g, scale=0.3)
+    p = (1 + 4 * torch.rand(1, 3, 1, 8, generator=g)).requires_grad_()
+    s = (0.5 + torch.rand(1, 3, 1, 8, generator=g)).requires_grad_()
+    _half_inputs_against_float32(
+        lambda q, k, v, b, p, s: polarity_attention_fast(q, k, v, p, 1e-6, s, b),
+        lambda q, k, v, b, p, s: polarity_attention_reference(q, k, v, p, 1e-6, s, b),
+        [q, k, v, b], [p, s])
+    qn, kn, vn, sin, cos = _nala_inputs(5, torch.float32, True)
+    _half_inputs_against_float32(
+        lambda q, k, v: nala_attention_fast(q, k, v, 3., 1e-6, sin, cos),
+        lambda q, k, v: nala_attention_reference(q, k, v, 3., 1e-6, sin, cos), [qn, kn, vn], [])
+    for fn, args in ((lambda *a: polarity_attention_fast(*a, 3. * torch.ones(1, 3, 1, 8)),
+                      (q, k, v)),
+                     (lambda *a: nala_attention_fast(*a, 3., 1e-6, sin, cos), (qn, kn, vn))):
+        halves = [t.detach().bfloat16().requires_grad_() for t in args]
+        kept = {st.untyped_storage().data_ptr() for st in halves}
+        dtypes, tokens = [], args[0].shape[-2]
+
+        def pack(t):
+            if t.dim() == 4 and t.shape[-2] == tokens:  # token maps, not the small matrices
+                dtypes.append(t.dtype)
+                assert t.untyped_storage().data_ptr() in kept
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(*halves)
+        assert dtypes and set(dtypes) == {torch.bfloat16}
+
+
+def test_lean_layers_take_half_precision_inputs_as_they_are():
+    """``DepthwiseConvTokens`` with bfloat16 tokens and a float32 kernel computes in float32 (both
+    backward forms), ``NormGatedLinear`` with a bfloat16 gate takes its SiLU in float32: both
+    equal plain autograd on float32 copies."""
+    g = torch.Generator().manual_seed(4)
+    B, H, W, C = 2, 5, 6, 8
+    v = rand(B, H * W, C, dtype=torch.float32, g=g)
+    wt = rand(C, 1, 5, 5, dtype=torch.float32, g=g, scale=0.2)
+    bt = rand(C, dtype=torch.float32, g=g)
+
+    def conv_plain(v, wt, bt):
+        m = v.reshape(B, H, W, C).permute(0, 3, 1, 2)
+        return F.conv2d(m, wt, bt, padding=(2, 2), groups=C).flatten(2).transpose(1, 2)
+    for form in CONV_BACKWARD_FORMS:
+        _half_inputs_against_float32(
+            lambda v, wt, bt: DepthwiseConvTokens.apply(v, (H, W), wt, bt, (2, 2), 2, form),
+            conv_plain, [v], [wt, bt])
+    s, gate = rand(B, 7, C, dtype=torch.float32, g=g), rand(B, 7, C, dtype=torch.float32, g=g)
+    lw, lb = rand(5, C, dtype=torch.float32, g=g), rand(5, dtype=torch.float32, g=g)
+    nw, nb = 1 + rand(C, dtype=torch.float32, g=g, scale=0.1), rand(C, dtype=torch.float32, g=g)
+    _half_inputs_against_float32(
+        lambda gt, s, nw, nb, w, b: NormGatedLinear.apply(s, nw, nb, 1e-5, gt, w, b),
+        lambda gt, s, nw, nb, w, b: F.linear(F.layer_norm(s, (C, ), nw, nb, 1e-5) * F.silu(gt),
+                                             w, b), [gate], [s, nw, nb, lw, lb])
+
+
+@pytest.mark.parametrize('cfg', [dict(type='PolaLinearAttention', qkv_layout='qkvg'), NALA])
+def test_lean_mixer_under_autocast_keeps_the_half_precision_projection(cfg):
+    """Under bfloat16 autocast the lean mixer keeps the half-precision projection, not float32
+    copies of q, k, v (and g): fewer bytes than in float32 (in float32 token maps of C values:
+    Pola 3.5, NaLa 4.6; they were 6.5 and 6.6 with the float32 copies)."""
+    C, h, H, W = 32, 4, 32, 32
+    m = build_attention(cfg, embed_dims=C, num_heads=h, pretrain_hw=(H, W))
+    x = torch.randn(1, H * W, C, requires_grad=True)
+    token_map = H * W * C * 4
+    fp32 = saved_bytes(lambda: m(x, (H, W)), m.parameters()) / token_map
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        half = saved_bytes(lambda: m(x, (H, W)), m.parameters()) / token_map
+    bound = 4 if cfg['type'] == 'PolaLinearAttention' else 5
+    assert half < bound < fp32, (half, fp32)

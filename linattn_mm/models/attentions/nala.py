@@ -153,22 +153,24 @@ class NaLaMixerBase(BaseTokenMixer):
         nn.init.zeros_(self.ln.bias)
 
     def _project(self, x, hw_shape):
-        """Tokens -> q, k, v (B, h, N, d), g (B, N, C) and LePE(v) (B, N, C; None without LePE) in
-        the core dtype (float32; float64 stays), the LePE conv with autocast off."""
+        """Tokens -> q, k, v (B, h, N, d), g (B, N, C) in the projection's dtype (half precision
+        under autocast: the consumers compute in the core dtype, float32, and the lean forms keep
+        these, not float32 copies) and LePE(v) (B, N, C; None without LePE) in the core dtype
+        (float32; float64 stays), the LePE conv with autocast off."""
         B, N, C = x.shape
         h, d = self.num_heads, self.head_dims
         # the training form's backward does not stack the chunks' gradients
-        q, k, v, g = (t.to(core_dtype(x)) for t in split_linear(
-            x, self.qkvg, 4, lean=self.core != 'reference'))
+        q, k, v, g = split_linear(x, self.qkvg, 4, lean=self.core != 'reference')
         lepe = None if self.lepe is None else self._lepe(v, hw_shape, x.device)
         q, k, v = (t.reshape(B, N, h, d).transpose(1, 2) for t in (q, k, v))
         return q, k, v, g, lepe
 
     def _lepe(self, v, hw_shape, device):
-        """The LePE term of the (B, N, C) values, the conv with autocast off."""
+        """The LePE term of the (B, N, C) values in the core dtype, the conv with autocast off."""
         with no_autocast(device):
-            w = self.lepe.weight.to(v.dtype)
-            b = None if self.lepe.bias is None else self.lepe.bias.to(v.dtype)
+            work = core_dtype(v)
+            w = self.lepe.weight.to(work)
+            b = None if self.lepe.bias is None else self.lepe.bias.to(work)
             return depthwise_conv_tokens(v, hw_shape, w, b, self.lepe.padding,
                                          lean=self.core != 'reference')
 
@@ -200,7 +202,7 @@ class NaLaMixerBase(BaseTokenMixer):
                 self.out_proj.bias))
         with no_autocast(s.device):
             y = F.layer_norm(s, (h * d, ), ln.weight.to(s.dtype), ln.bias.to(s.dtype), ln.eps)
-            y = y * self.act(g)
+            y = y * self.act(g.to(y.dtype))
         if not torch.is_autocast_enabled(y.device.type):
             y = y.to(self.out_proj.weight.dtype)
         return self.proj_drop(self.out_proj(y))
@@ -283,10 +285,11 @@ class NormAwareLinearAttention(NaLaMixerBase):
     def forward(self, x, hw_shape, rope=None):
         self.check_input(x, hw_shape)
         q, k, v, g, lepe = self._project(x, hw_shape)
-        sin, cos = self._rope(hw_shape, rope, q.dtype, q.device)
+        work = core_dtype(q)  # the core's result stays in it, as the LePE and the LN
+        sin, cos = self._rope(hw_shape, rope, work, q.device)
         with no_autocast(x.device):
             out = nala_attention(q, k, v, self.power, self.eps, sin, cos, self.kernel, self.core,
-                                 self.query_power)
+                                 self.query_power, out_dtype=work)
         return self.gated_output(out, lepe, g)
 
     has_attention_weights = True
@@ -297,6 +300,7 @@ class NormAwareLinearAttention(NaLaMixerBase):
         (official), so entries can be negative and rows need not sum to 1."""
         self.check_input(x, hw_shape)
         q, k, _, _, _ = self._project(x, hw_shape)
+        q, k = q.to(core_dtype(q)), k.to(core_dtype(k))
         sin, cos = self._rope(hw_shape, rope, q.dtype, q.device)
         with no_autocast(x.device):
             weights = nala_weights_reference(q, k, self.power, self.eps, sin, cos, self.kernel,
@@ -359,14 +363,15 @@ class NaLaSoftmaxAttention(NaLaMixerBase):
         self.check_input(x, hw_shape)
         q, k, _, _, _ = self._project(x, hw_shape)
         with no_autocast(x.device):
-            q, k = self._rotate(q, k, hw_shape, rope)
+            q, k = self._rotate(q.to(core_dtype(q)), k.to(core_dtype(k)), hw_shape, rope)
             weights = (q @ k.transpose(-2, -1) * self.scale).softmax(-1)
         return dict(weights=weights, key_hw=tuple(hw_shape))
 
     def forward(self, x, hw_shape, rope=None):
         self.check_input(x, hw_shape)
         q, k, v, g, lepe = self._project(x, hw_shape)
-        with no_autocast(x.device):
+        with no_autocast(x.device):  # in float32, as the official code
+            q, k, v = (t.to(core_dtype(t)) for t in (q, k, v))
             q, k = self._rotate(q, k, hw_shape, rope)
             out = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=self.attn_drop if self.training else 0., scale=self.scale)

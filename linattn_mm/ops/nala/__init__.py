@@ -28,12 +28,14 @@ __all__ = ['nala_attention', 'nala_attention_reference', 'nala_attention_fast', 
 
 
 def nala_attention(q, k, v, power=3., eps=1e-6, sin=None, cos=None, kernel='official',
-                   core='fast', query_power=None):
+                   core='fast', query_power=None, out_dtype=None):
     """The NaLa core named ``core`` (``'reference'``, ``'fast'`` or ``'triton'``) for the feature
     map ``kernel`` (``'official'`` or ``'paper'``; the paper's kernel has no Triton core). Torch
     cores run with autocast off in float32 (float64 stays float64), as the official code; the
-    Triton core reads the inputs as they are and computes in float32. The result has the dtype of
-    ``v``. ``query_power``: a constant query exponent instead of the norm-aware
+    Triton core reads the inputs as they are and computes in float32. The fast core takes q, k, v
+    in their own dtype and casts them itself (under autocast it keeps the half-precision
+    projections for backward, not float32 copies). The result has the dtype ``out_dtype``, by
+    default that of ``v``. ``query_power``: a constant query exponent instead of the norm-aware
     ``power * (0.5 + tanh ||q||)`` (the paper's Table 5 ablation; no Triton core)."""
     check_core('nala_attention', core)
     if kernel != 'official' and core == 'triton':
@@ -45,13 +47,14 @@ def nala_attention(q, k, v, power=3., eps=1e-6, sin=None, cos=None, kernel='offi
             raise RuntimeError("nala_attention: core='triton' is forward-only and a gradient is "
                                "needed here; train with core='fast' or 'reference'")
         from .triton import nala_attention_triton
-        return nala_attention_triton(q, k, v, power, eps, sin, cos, out_dtype=v.dtype)
+        return nala_attention_triton(q, k, v, power, eps, sin, cos,
+                                     out_dtype=out_dtype or v.dtype)
     work = core_dtype(q, k, v)
     sin, cos = (None, None) if sin is None else (sin.to(work), cos.to(work))
     with no_autocast(q.device):
-        q, k, v = q.to(work), k.to(work), v.to(work)
-        if core == 'fast':
+        if core == 'fast':  # casts inside: keeps half-precision inputs, not float32 copies
             out = nala_attention_fast(q, k, v, power, eps, sin, cos, kernel, query_power)
         else:
-            out = nala_attention_reference(q, k, v, power, eps, sin, cos, kernel, query_power)
-    return out.to(v.dtype)
+            out = nala_attention_reference(q.to(work), k.to(work), v.to(work), power, eps, sin,
+                                           cos, kernel, query_power)
+    return out.to(out_dtype or v.dtype)

@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from ..common import token_gram
+from ..common import core_dtype, token_gram
 from .fast import _query_terms, _key_power, _rot_rows, _with_rope, key_matrix, nala_forward
 from .reference import nala_attention_reference
 
@@ -62,18 +62,25 @@ def _rope_grad(dF, sin, cos):
 class NormAwareAttention(torch.autograd.Function):
     """The official NaLa core with the backward of the module docstring. Inputs: q, k, v
     (B, h, N, d), ``power``, ``eps``, ``sin``, ``cos`` (N, d) or None, ``query_power`` (a constant
-    query exponent, or None for the norm-aware one)."""
+    query exponent, or None for the norm-aware one).
+
+    The core computes in :func:`~linattn_mm.ops.common.core_dtype` of q, k, v (float32 for half
+    precision): inputs in a lower precision (the projections under autocast) are kept for
+    backward as they are, not as float32 copies, and get their gradients in their own dtypes."""
 
     @staticmethod
     def forward(ctx, q, k, v, power, eps, sin, cos, query_power=None):
-        out, w, k_mean = nala_forward(q, k, v, power, eps, sin, cos, query_power)
+        work = core_dtype(q, k, v)
+        out, w, k_mean = nala_forward(q.to(work), k.to(work), v.to(work), power, eps, sin, cos,
+                                      query_power)
         ctx.power, ctx.eps, ctx.query_power = power, eps, query_power
         ctx.save_for_backward(q, k, v, sin, cos, w, k_mean)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, sin, cos, w, k_mean = ctx.saved_tensors
+        q0, k0, v0, sin, cos, w, k_mean = ctx.saved_tensors
+        q, k, v = (t.to(w.dtype) for t in (q0, k0, v0))
         lam, rope = ctx.power, sin is not None
         N = k.shape[-2]
         qn, p, rel, c = _query_terms(q, lam, ctx.query_power)
@@ -121,7 +128,7 @@ class NormAwareAttention(torch.autograd.Function):
             tanh = (p / lam - 0.5)
             dqn += dp * lam * (1 - tanh * tanh)
         dq += torch.where(qn > 0, dqn * q / qn, 0.)
-        return dq, dk, dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q0.dtype), dk.to(k0.dtype), dv.to(v0.dtype), None, None, None, None, None
 
 
 class RecomputedCore(torch.autograd.Function):
@@ -160,7 +167,8 @@ def nala_attention_fast(q, k, v, power=3., eps=1e-6, sin=None, cos=None, kernel=
     qp = None if query_power is None else float(query_power)
     if kernel == 'official':
         return NormAwareAttention.apply(q, k, v, float(power), eps, sin, cos, qp)
+    work = core_dtype(q, k, v)
     return RecomputedCore.apply(
         lambda q_, k_, v_, s_, c_, power_, eps_, kernel_, qp_: nala_attention_reference(
-            q_, k_, v_, power_, eps_, s_, c_, kernel_, qp_), 5, q, k, v, sin, cos, power, eps,
-        kernel, qp)
+            q_.to(work), k_.to(work), v_.to(work), power_, eps_, s_, c_, kernel_, qp_), 5, q, k,
+        v, sin, cos, power, eps, kernel, qp)

@@ -32,7 +32,9 @@ def polarity_attention(q, k, v, p, eps=1e-6, temperature=None, k_bias=None, core
     """The Pola core named ``core`` (``'reference'``, ``'fast'`` or ``'triton'``).
 
     The torch cores run with autocast off in float32 (float64 inputs stay float64): ``p`` reaches
-    ``1 + alpha``, so the powers overflow float16. The Triton core reads the inputs in their own
+    ``1 + alpha``, so the powers overflow float16. The fast core takes q, k, v and ``k_bias`` in
+    their own dtype and casts them chunk by chunk (under autocast it keeps the half-precision
+    projections for backward, not float32 copies). The Triton core reads the inputs in their own
     dtype and computes in float32. The result has the dtype of ``v``.
     """
     check_core('polarity_attention', core)
@@ -44,8 +46,9 @@ def polarity_attention(q, k, v, p, eps=1e-6, temperature=None, k_bias=None, core
         return polarity_attention_triton(q, k, v, p, eps, temperature, k_bias, out_dtype=v.dtype)
     work = core_dtype(q, k, v)
     with no_autocast(q.device):
-        out = _TORCH_CORES[core](
-            q.to(work), k.to(work), v.to(work), p.to(work), eps,
-            None if temperature is None else temperature.to(work),
-            None if k_bias is None else k_bias.to(work))
+        if core != 'fast':
+            q, k, v = q.to(work), k.to(work), v.to(work)
+            k_bias = None if k_bias is None else k_bias.to(work)
+        out = _TORCH_CORES[core](q, k, v, p.to(work), eps,
+                                 None if temperature is None else temperature.to(work), k_bias)
     return out.to(v.dtype)

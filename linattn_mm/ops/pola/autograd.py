@@ -80,6 +80,11 @@ def _key_matrix_grads(dw_pos, dw_neg, d, n):
     return dkvp, dkvn, dksp, dksn
 
 
+def _cast(grad, like):
+    """A gradient computed in the core's dtype, in the dtype of its input (None stays None)."""
+    return None if grad is None else grad.to(like.dtype)
+
+
 def _add_sum(acc, t, shape):
     """``acc + t.sum_to_size(shape)`` (``acc`` None at first)."""
     s = t.sum_to_size(shape)
@@ -94,7 +99,11 @@ class PolarityAttention(torch.autograd.Function):
 
     The backward runs over chunks of tokens: the query pass recomputes q+, q- and ``r`` for a
     chunk, writes its part of dq and accumulates the gradients of ``W+``, ``W-``; the key pass
-    then does the same for k and v. No full-size temporary is made besides the gradients."""
+    then does the same for k and v. No full-size temporary is made besides the gradients.
+
+    The core computes in the dtype of ``p``. q, k, v and ``k_bias`` may come in a lower precision
+    (the projections under autocast): they are kept for backward as they are, not as float32
+    copies, cast chunk by chunk both ways, and get their gradients in their own dtypes."""
 
     @staticmethod
     def forward(ctx, q, k, v, p, eps, inv_scale, k_bias, rows):
@@ -123,12 +132,12 @@ class PolarityAttention(torch.autograd.Function):
         # queries, chunk by chunk: recompute q+, q- and r, then the output's gradient through
         # the division; accumulate the gradients of W+ and W-
         rows = chunk_rows(q, ctx.rows)
-        dq = heads_buffer(q, N, q.dtype) if need[0] else None
+        dq = heads_buffer(q, N, work) if need[0] else None
         dw_pos = torch.zeros_like(w_pos)
         dw_neg = torch.zeros_like(w_neg)
         for i in range(0, N, rows):
             sl = slice(i, min(i + rows, N))
-            terms = _PowerTerms(q[:, :, sl], p, inv_scale, None)
+            terms = _PowerTerms(q[:, :, sl].to(work), p, inv_scale, None)
             qp, qn = terms.features()
             r = query_side(qp, qn, w_pos, w_neg)
             den = r[..., d:].add_(ctx.eps)  # (B, h, L, 2)
@@ -149,11 +158,11 @@ class PolarityAttention(torch.autograd.Function):
         del dw_pos, dw_neg
         dksp, dksn = dksp.unsqueeze(-2), dksn.unsqueeze(-2)
         rows = chunk_rows(k, ctx.rows)
-        dk = heads_buffer(k, n, k.dtype) if need[1] or need[6] else None
-        dv = heads_buffer(v, n, v.dtype) if need[2] else None
+        dk = heads_buffer(k, n, work) if need[1] or need[6] else None
+        dv = heads_buffer(v, n, work) if need[2] else None
         for i in range(0, n, rows):
             sl = slice(i, min(i + rows, n))
-            terms = _PowerTerms(k[:, :, sl], p, inv_scale, token_slice(k_bias, sl, n))
+            terms = _PowerTerms(k[:, :, sl].to(work), p, inv_scale, token_slice(k_bias, sl, n, work))
             kp, kn = terms.features()
             if dv is not None:
                 dv[:, :, sl] = torch.matmul(kp, dkvp).add_(kn @ dkvn)
@@ -166,9 +175,9 @@ class PolarityAttention(torch.autograd.Function):
         grads_p = acc['p'].mul_(_LN2) if want_p else None
         d_bias = None
         if k_bias is not None and need[6]:
-            d_bias = dk.sum_to_size(k_bias.shape)
-        return (dq, dk if need[1] else None, dv, grads_p, None, acc['inv'] if want_inv else None,
-                d_bias, None)
+            d_bias = dk.sum_to_size(k_bias.shape).to(k_bias.dtype)
+        return (_cast(dq, q), _cast(dk, k) if need[1] else None, _cast(dv, v), grads_p, None,
+                acc['inv'] if want_inv else None, d_bias, None)
 
 
 def polarity_attention_fast(q, k, v, p, eps=1e-6, temperature=None, k_bias=None, rows=None):

@@ -152,11 +152,14 @@ def heads_buffer(like, tokens, dtype):
     return torch.empty(B, tokens, h, d, dtype=dtype, device=like.device).transpose(1, 2)
 
 
-def token_slice(t, sl, n):
-    """Tokens ``sl`` of a (.., n, d) tensor broadcast over the tokens or not (None stays None)."""
-    if t is None or t.shape[-2] != n or n == 1:
-        return t
-    return t[..., sl, :]
+def token_slice(t, sl, n, dtype=None):
+    """Tokens ``sl`` of a (.., n, d) tensor broadcast over the tokens or not (None stays None), in
+    ``dtype`` if given."""
+    if t is None:
+        return None
+    if t.shape[-2] == n and n != 1:
+        t = t[..., sl, :]
+    return t if dtype is None else t.to(dtype)
 
 
 def polarity_forward(q, k, v, p, eps, inv_scale, k_bias, rows=None):
@@ -164,17 +167,20 @@ def polarity_forward(q, k, v, p, eps, inv_scale, k_bias, rows=None):
     over chunks of tokens (:func:`chunk_rows`): the key pass accumulates ``k±^T v`` and the key
     sums, the query pass writes its chunk of the output; the positive and negative feature halves
     stay separate buffers (no (N, 2d) concatenation is ever written) and the query-side GEMM is
-    ``q+ @ W+`` accumulated with ``q- @ W-``. Returns the output (a (B, h, N, d) view of a
-    (B, N, h, d) buffer) and ``W+``, ``W-``."""
+    ``q+ @ W+`` accumulated with ``q- @ W-``. It computes in the dtype of ``p``: q, k, v and
+    ``k_bias`` may come in another (half precision under autocast) and are cast chunk by chunk.
+    Returns the output (a (B, h, N, d) view of a (B, N, h, d) buffer) and ``W+``, ``W-``."""
     B, h, N, d = q.shape
     n = k.shape[-2]
     d_s = (d + 1) // 2
+    work = p.dtype
     kvp = kvn = ksp = ksn = None
     step = chunk_rows(k, rows)
     for i in range(0, n, step):
         sl = slice(i, min(i + step, n))
-        kp, kn = _pos_neg_nograd(k[:, :, sl], p, inv_scale, token_slice(k_bias, sl, n))
-        v_c = v[:, :, sl].to(kp.dtype)
+        kp, kn = _pos_neg_nograd(k[:, :, sl].to(work), p, inv_scale,
+                                 token_slice(k_bias, sl, n, work))
+        v_c = v[:, :, sl].to(work)
         if token_gram_parts(v_c, v_c.shape[-2]) > 1:  # one copy of a head view for both products
             v_c = v_c.contiguous()
         parts = (token_gram(kp, v_c), token_gram(kn, v_c),
@@ -190,7 +196,7 @@ def polarity_forward(q, k, v, p, eps, inv_scale, k_bias, rows=None):
     step = chunk_rows(q, rows)
     for i in range(0, N, step):
         sl = slice(i, min(i + step, N))
-        qp, qn = _pos_neg_nograd(q[:, :, sl], p, inv_scale)
+        qp, qn = _pos_neg_nograd(q[:, :, sl].to(work), p, inv_scale)
         r = query_side(qp, qn, w_pos, w_neg)
         if d_s * 2 != d:  # odd head dim: unequal halves
             num, den = r[..., :d], r[..., d:].add_(eps)
