@@ -131,13 +131,23 @@ class DepthwiseConvTokens(torch.autograd.Function):
     ``'aten'``: one ``aten.convolution_backward`` of the gradient against the channels-last view
     of ``v``. The bias gradient is a sum.
 
-    The conv computes in the dtype of ``weight``; ``v`` may come in a lower precision (NaLa's
-    half-precision projection under autocast, whose LePE runs in float32): it is kept as it is,
-    cast band by band (the ``'aten'`` backward casts the whole map), and its gradient comes back
-    in its dtype."""
+    The conv computes in the dtype of ``weight``; ``v`` may come in a lower precision (Pola's
+    half-precision projection under autocast): it is kept as it is, cast band by band (the
+    ``'aten'`` backward casts the whole map), and its gradient comes back in its dtype. ``keep``
+    (optional): a lower-precision tensor with ``keep.to(v.dtype) == v`` exactly (NaLa's
+    half-precision ``v``, whose float32 copy feeds both the LePE and the core, so that its two
+    gradients are summed in float32 as in the plain form): it is read and kept instead of ``v``,
+    which is then not kept."""
 
     @staticmethod
-    def forward(ctx, v, hw_shape, weight, bias, padding, rows=None, backward_form=None):
+    def forward(ctx, v, hw_shape, weight, bias, padding, rows=None, backward_form=None, keep=None):
+        if keep is not None:
+            if keep.shape != v.shape:
+                raise ValueError(f'DepthwiseConvTokens: keep must have the shape of v, '
+                                 f'{tuple(v.shape)}, got {tuple(keep.shape)}')
+            ctx.v_dtype, v = v.dtype, keep
+        else:
+            ctx.v_dtype = v.dtype
         B, N, C = v.shape
         H, W = hw_shape
         k = weight.shape[-1]
@@ -178,8 +188,8 @@ class DepthwiseConvTokens(torch.autograd.Function):
                 g.contiguous().permute(0, 3, 1, 2), x.to(dt).permute(0, 3, 1, 2), w, None, [1, 1],
                 [p, p], [1, 1], False, [0, 0], C, [need[0], need[2], False])
             if dv is not None:
-                dv = dv.permute(0, 2, 3, 1).reshape(B, N, C).to(v.dtype)
-            return dv, None, _to(dw, weight), _to(db, weight), None, None, None
+                dv = dv.permute(0, 2, 3, 1).reshape(B, N, C).to(ctx.v_dtype)
+            return dv, None, _to(dw, weight), _to(db, weight), None, None, None, None
         dv = dw = None
         acc = torch.float64 if dt == torch.float32 else torch.promote_types(dt, torch.float32)
         if need[0]:
@@ -200,10 +210,10 @@ class DepthwiseConvTokens(torch.autograd.Function):
                     part = F.conv2d(xb[b:b + 1], gb[b].unsqueeze(1), groups=C)  # (1, C, k, k)
                     dw = part.to(acc) if dw is None else dw.add_(part)
         if dv is not None:
-            dv = dv.view(B, N, C).to(v.dtype)
+            dv = dv.view(B, N, C).to(ctx.v_dtype)
         if dw is not None:
             dw = dw.view(C, 1, k, k)
-        return dv, None, _to(dw, weight), _to(db, weight), None, None, None
+        return dv, None, _to(dw, weight), _to(db, weight), None, None, None, None
 
 
 class GatedLinear(torch.autograd.Function):
@@ -366,13 +376,14 @@ def split_linear(x, linear, parts, lean=True):
     return linear(x).unflatten(-1, (parts, -1)).unbind(-2)
 
 
-def depthwise_conv_tokens(v, hw_shape, weight, bias, padding, lean=True):
+def depthwise_conv_tokens(v, hw_shape, weight, bias, padding, lean=True, keep=None):
     """The depth-wise conv of (B, H*W, C) tokens on their grid, as (B, H*W, C) tokens in the dtype
     of ``weight``: through :class:`DepthwiseConvTokens` (``lean``, the training form: keeps no
-    copy of the map) or plain autograd of ``conv2d`` on the channels-last view of the tokens (the
-    reference)."""
+    copy of the map; ``keep``: the lower-precision twin of ``v`` to keep instead) or plain
+    autograd of ``conv2d`` on the channels-last view of the tokens (the reference)."""
     if lean:
-        return DepthwiseConvTokens.apply(v, tuple(hw_shape), weight, bias, padding)
+        return DepthwiseConvTokens.apply(v, tuple(hw_shape), weight, bias, padding, None, None,
+                                         keep)
     B, N, C = v.shape
     H, W = hw_shape
     # channels-last strides, no copy (a cast to the weight's dtype, as the lean form computes)

@@ -133,7 +133,7 @@ def test_nala_weights_reproduce_forward(kernel, use_rope):
     x = _tokens(hw)
     w = m.attention_weights(x, hw)['weights']
     assert w.shape == (2, HEADS, 30, 30)
-    q, k, v, g, lepe = m._project(x, hw)
+    q, k, v, g, lepe, _ = m._project(x, hw)
     torch.testing.assert_close(m.gated_output(w @ v, lepe, g), m(x, hw))
     if not use_rope:  # without the rotation the weights are a non-negative normalised kernel
         assert (w >= 0).all()
@@ -147,7 +147,7 @@ def test_nala_softmax_weights_reproduce_forward():
     x = _tokens(hw)
     w = m.attention_weights(x, hw)['weights']
     _rows_sum_to_one(w)
-    q, k, v, g, lepe = m._project(x, hw)
+    q, k, v, g, lepe, _ = m._project(x, hw)
     torch.testing.assert_close(m.gated_output(w @ v, lepe, g), m(x, hw))
 
 

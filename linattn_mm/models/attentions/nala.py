@@ -152,27 +152,38 @@ class NaLaMixerBase(BaseTokenMixer):
         nn.init.ones_(self.ln.weight)
         nn.init.zeros_(self.ln.bias)
 
-    def _project(self, x, hw_shape):
-        """Tokens -> q, k, v (B, h, N, d), g (B, N, C) in the projection's dtype (half precision
-        under autocast: the consumers compute in the core dtype, float32, and the lean forms keep
-        these, not float32 copies) and LePE(v) (B, N, C; None without LePE) in the core dtype
-        (float32; float64 stays), the LePE conv with autocast off."""
+    def _project(self, x, hw_shape, keep_low=True):
+        """Tokens -> q, k (B, h, N, d) and g (B, N, C) in the projection's dtype (half precision
+        under autocast: their consumers compute in the core dtype, float32, and the lean forms
+        keep these, not float32 copies), v (B, h, N, d) in the core dtype (float32; float64
+        stays), LePE(v) (B, N, C; None without LePE) in the core dtype, the LePE conv with
+        autocast off, and ``v_low``: v in the projection's dtype where that is lower (else None),
+        for the lean forms to keep. v is cast once because it feeds both the LePE and the
+        attention, whose gradients are then summed in the core dtype, as in the plain form.
+        ``keep_low=False`` (an attention that keeps its own float32 v): g in the core dtype too,
+        no ``v_low``, so that nothing keeps the half-precision projection."""
         B, N, C = x.shape
         h, d = self.num_heads, self.head_dims
         # the training form's backward does not stack the chunks' gradients
         q, k, v, g = split_linear(x, self.qkvg, 4, lean=self.core != 'reference')
-        lepe = None if self.lepe is None else self._lepe(v, hw_shape, x.device)
+        v_low, v = v, v.to(core_dtype(v))
+        v_low = None if v_low is v or not keep_low else v_low
+        if not keep_low:
+            g = g.to(v.dtype)
+        lepe = None if self.lepe is None else self._lepe(v, hw_shape, x.device, v_low)
         q, k, v = (t.reshape(B, N, h, d).transpose(1, 2) for t in (q, k, v))
-        return q, k, v, g, lepe
+        if v_low is not None:
+            v_low = v_low.reshape(B, N, h, d).transpose(1, 2)
+        return q, k, v, g, lepe, v_low
 
-    def _lepe(self, v, hw_shape, device):
-        """The LePE term of the (B, N, C) values in the core dtype, the conv with autocast off."""
+    def _lepe(self, v, hw_shape, device, v_low=None):
+        """The LePE term of the (B, N, C) values (in the core dtype), the conv with autocast off;
+        the lean form keeps ``v_low`` (v in a lower precision, or None) instead of v."""
         with no_autocast(device):
-            work = core_dtype(v)
-            w = self.lepe.weight.to(work)
-            b = None if self.lepe.bias is None else self.lepe.bias.to(work)
+            w = self.lepe.weight.to(v.dtype)
+            b = None if self.lepe.bias is None else self.lepe.bias.to(v.dtype)
             return depthwise_conv_tokens(v, hw_shape, w, b, self.lepe.padding,
-                                         lean=self.core != 'reference')
+                                         lean=self.core != 'reference', keep=v_low)
 
     def _rope(self, hw_shape, rope, dtype, device):
         """``(sin, cos)`` of the RoPE (the stage's shared one, or this mixer's own), or Nones."""
@@ -284,12 +295,12 @@ class NormAwareLinearAttention(NaLaMixerBase):
 
     def forward(self, x, hw_shape, rope=None):
         self.check_input(x, hw_shape)
-        q, k, v, g, lepe = self._project(x, hw_shape)
-        work = core_dtype(q)  # the core's result stays in it, as the LePE and the LN
-        sin, cos = self._rope(hw_shape, rope, work, q.device)
+        q, k, v, g, lepe, v_low = self._project(x, hw_shape)
+        # v is in the core dtype; the core's result stays in it, as the LePE and the LN
+        sin, cos = self._rope(hw_shape, rope, v.dtype, q.device)
         with no_autocast(x.device):
             out = nala_attention(q, k, v, self.power, self.eps, sin, cos, self.kernel, self.core,
-                                 self.query_power, out_dtype=work)
+                                 self.query_power, out_dtype=v.dtype, v_keep=v_low)
         return self.gated_output(out, lepe, g)
 
     has_attention_weights = True
@@ -299,7 +310,7 @@ class NormAwareLinearAttention(NaLaMixerBase):
         phi(k))``: the core output is ``A v``. The RoPE rotation ``R`` is on the numerator only
         (official), so entries can be negative and rows need not sum to 1."""
         self.check_input(x, hw_shape)
-        q, k, _, _, _ = self._project(x, hw_shape)
+        q, k = self._project(x, hw_shape)[:2]
         q, k = q.to(core_dtype(q)), k.to(core_dtype(k))
         sin, cos = self._rope(hw_shape, rope, q.dtype, q.device)
         with no_autocast(x.device):
@@ -361,7 +372,7 @@ class NaLaSoftmaxAttention(NaLaMixerBase):
 
     def attention_weights(self, x, hw_shape, rope=None):
         self.check_input(x, hw_shape)
-        q, k, _, _, _ = self._project(x, hw_shape)
+        q, k = self._project(x, hw_shape)[:2]
         with no_autocast(x.device):
             q, k = self._rotate(q.to(core_dtype(q)), k.to(core_dtype(k)), hw_shape, rope)
             weights = (q @ k.transpose(-2, -1) * self.scale).softmax(-1)
@@ -369,9 +380,10 @@ class NaLaSoftmaxAttention(NaLaMixerBase):
 
     def forward(self, x, hw_shape, rope=None):
         self.check_input(x, hw_shape)
-        q, k, v, g, lepe = self._project(x, hw_shape)
+        # the attention keeps its own float32 v: the LePE keeps the same one, the gate a float32 g
+        q, k, v, g, lepe, _ = self._project(x, hw_shape, keep_low=False)
         with no_autocast(x.device):  # in float32, as the official code
-            q, k, v = (t.to(core_dtype(t)) for t in (q, k, v))
+            q, k = q.to(v.dtype), k.to(v.dtype)
             q, k = self._rotate(q, k, hw_shape, rope)
             out = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=self.attn_drop if self.training else 0., scale=self.scale)

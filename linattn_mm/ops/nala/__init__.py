@@ -28,14 +28,15 @@ __all__ = ['nala_attention', 'nala_attention_reference', 'nala_attention_fast', 
 
 
 def nala_attention(q, k, v, power=3., eps=1e-6, sin=None, cos=None, kernel='official',
-                   core='fast', query_power=None, out_dtype=None):
+                   core='fast', query_power=None, out_dtype=None, v_keep=None):
     """The NaLa core named ``core`` (``'reference'``, ``'fast'`` or ``'triton'``) for the feature
     map ``kernel`` (``'official'`` or ``'paper'``; the paper's kernel has no Triton core). Torch
     cores run with autocast off in float32 (float64 stays float64), as the official code; the
     Triton core reads the inputs as they are and computes in float32. The fast core takes q, k, v
     in their own dtype and casts them itself (under autocast it keeps the half-precision
-    projections for backward, not float32 copies). The result has the dtype ``out_dtype``, by
-    default that of ``v``. ``query_power``: a constant query exponent instead of the norm-aware
+    projections for backward, not float32 copies; ``v_keep``: a lower-precision twin of ``v`` to
+    keep instead, see :class:`~linattn_mm.ops.nala.autograd.NormAwareAttention`). The result has
+    the dtype ``out_dtype``, by default that of ``v``. ``query_power``: a constant query exponent instead of the norm-aware
     ``power * (0.5 + tanh ||q||)`` (the paper's Table 5 ablation; no Triton core)."""
     check_core('nala_attention', core)
     if kernel != 'official' and core == 'triton':
@@ -53,7 +54,7 @@ def nala_attention(q, k, v, power=3., eps=1e-6, sin=None, cos=None, kernel='offi
     sin, cos = (None, None) if sin is None else (sin.to(work), cos.to(work))
     with no_autocast(q.device):
         if core == 'fast':  # casts inside: keeps half-precision inputs, not float32 copies
-            out = nala_attention_fast(q, k, v, power, eps, sin, cos, kernel, query_power)
+            out = nala_attention_fast(q, k, v, power, eps, sin, cos, kernel, query_power, v_keep)
         else:
             out = nala_attention_reference(q.to(work), k.to(work), v.to(work), power, eps, sin,
                                            cos, kernel, query_power)

@@ -66,15 +66,22 @@ class NormAwareAttention(torch.autograd.Function):
 
     The core computes in :func:`~linattn_mm.ops.common.core_dtype` of q, k, v (float32 for half
     precision): inputs in a lower precision (the projections under autocast) are kept for
-    backward as they are, not as float32 copies, and get their gradients in their own dtypes."""
+    backward as they are, not as float32 copies, and get their gradients in their own dtypes.
+    ``v_keep`` (optional): a lower-precision tensor with ``v_keep.to(v.dtype) == v`` exactly,
+    kept instead of ``v`` (the NaLa mixer's float32 ``v`` feeds the LePE too, so that the two
+    gradients of ``v`` are summed in float32)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, power, eps, sin, cos, query_power=None):
+    def forward(ctx, q, k, v, power, eps, sin, cos, query_power=None, v_keep=None):
         work = core_dtype(q, k, v)
         out, w, k_mean = nala_forward(q.to(work), k.to(work), v.to(work), power, eps, sin, cos,
                                       query_power)
         ctx.power, ctx.eps, ctx.query_power = power, eps, query_power
-        ctx.save_for_backward(q, k, v, sin, cos, w, k_mean)
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+        if v_keep is not None and v_keep.shape != v.shape:
+            raise ValueError(f'NormAwareAttention: v_keep must have the shape of v, '
+                             f'{tuple(v.shape)}, got {tuple(v_keep.shape)}')
+        ctx.save_for_backward(q, k, v if v_keep is None else v_keep, sin, cos, w, k_mean)
         return out
 
     @staticmethod
@@ -128,7 +135,8 @@ class NormAwareAttention(torch.autograd.Function):
             tanh = (p / lam - 0.5)
             dqn += dp * lam * (1 - tanh * tanh)
         dq += torch.where(qn > 0, dqn * q / qn, 0.)
-        return dq.to(q0.dtype), dk.to(k0.dtype), dv.to(v0.dtype), None, None, None, None, None
+        dt_q, dt_k, dt_v = ctx.dtypes
+        return dq.to(dt_q), dk.to(dt_k), dv.to(dt_v), None, None, None, None, None, None
 
 
 class RecomputedCore(torch.autograd.Function):
@@ -156,17 +164,18 @@ class RecomputedCore(torch.autograd.Function):
 
 
 def nala_attention_fast(q, k, v, power=3., eps=1e-6, sin=None, cos=None, kernel='official',
-                        query_power=None):
+                        query_power=None, v_keep=None):
     """The NaLa core in its training form (the arguments and result of
     :func:`~linattn_mm.ops.nala.reference.nala_attention_reference`): the official kernel through
-    :class:`NormAwareAttention` (the result is a (B, h, N, d) view of a (B, N, h, d) buffer), the
-    paper's kernel through :class:`RecomputedCore`."""
+    :class:`NormAwareAttention` (the result is a (B, h, N, d) view of a (B, N, h, d) buffer;
+    ``v_keep``: see there), the paper's kernel through :class:`RecomputedCore` (which keeps its
+    inputs as they come; ``v_keep`` unused)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f'nala_attention_fast: q, k, v must be (B, h, N, d), got '
                          f'{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}')
     qp = None if query_power is None else float(query_power)
     if kernel == 'official':
-        return NormAwareAttention.apply(q, k, v, float(power), eps, sin, cos, qp)
+        return NormAwareAttention.apply(q, k, v, float(power), eps, sin, cos, qp, v_keep)
     work = core_dtype(q, k, v)
     return RecomputedCore.apply(
         lambda q_, k_, v_, s_, c_, power_, eps_, kernel_, qp_: nala_attention_reference(

@@ -44,11 +44,11 @@ def polarity_attention(q, k, v, p, eps=1e-6, temperature=None, k_bias=None, core
                                "is needed here; train with core='fast' or 'reference'")
         from .triton import polarity_attention_triton
         return polarity_attention_triton(q, k, v, p, eps, temperature, k_bias, out_dtype=v.dtype)
-    work = core_dtype(q, k, v)
+    work, out_dtype = core_dtype(q, k, v), v.dtype
     with no_autocast(q.device):
         if core != 'fast':
             q, k, v = q.to(work), k.to(work), v.to(work)
             k_bias = None if k_bias is None else k_bias.to(work)
         out = _TORCH_CORES[core](q, k, v, p.to(work), eps,
                                  None if temperature is None else temperature.to(work), k_bias)
-    return out.to(v.dtype)
+    return out.to(out_dtype)

@@ -101,9 +101,10 @@ class PolarityAttention(torch.autograd.Function):
     chunk, writes its part of dq and accumulates the gradients of ``W+``, ``W-``; the key pass
     then does the same for k and v. No full-size temporary is made besides the gradients.
 
-    The core computes in the dtype of ``p``. q, k, v and ``k_bias`` may come in a lower precision
-    (the projections under autocast): they are kept for backward as they are, not as float32
-    copies, cast chunk by chunk both ways, and get their gradients in their own dtypes."""
+    The core computes in the wider of ``p``'s dtype and float32 (float64 for float64 q, k, v).
+    q, k, v and ``k_bias`` may come in a lower precision (the projections under autocast): they
+    are kept for backward as they are, not as float32 copies, cast chunk by chunk both ways, and
+    get their gradients in their own dtypes."""
 
     @staticmethod
     def forward(ctx, q, k, v, p, eps, inv_scale, k_bias, rows):

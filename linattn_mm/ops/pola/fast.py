@@ -32,7 +32,8 @@ float64, gradients included).
 """
 import torch
 
-from ..common import MIN_CHUNK_ROWS, numpy_log2_, sign_split, token_gram, token_gram_parts
+from ..common import (MIN_CHUNK_ROWS, core_dtype, numpy_log2_, sign_split, token_gram,
+                      token_gram_parts)
 
 __all__ = ['polarity_features', 'polarity_forward', 'query_side', 'chunk_rows', 'heads_buffer',
            'token_slice', 'TRAIN_CHUNK_ELEMENTS']
@@ -167,13 +168,14 @@ def polarity_forward(q, k, v, p, eps, inv_scale, k_bias, rows=None):
     over chunks of tokens (:func:`chunk_rows`): the key pass accumulates ``k±^T v`` and the key
     sums, the query pass writes its chunk of the output; the positive and negative feature halves
     stay separate buffers (no (N, 2d) concatenation is ever written) and the query-side GEMM is
-    ``q+ @ W+`` accumulated with ``q- @ W-``. It computes in the dtype of ``p``: q, k, v and
-    ``k_bias`` may come in another (half precision under autocast) and are cast chunk by chunk.
+    ``q+ @ W+`` accumulated with ``q- @ W-``. It computes in the wider of the dtypes of ``p`` and
+    of :func:`~linattn_mm.ops.common.core_dtype` of q, k, v: q, k, v and ``k_bias`` may come in a
+    lower precision (half precision under autocast) and are cast chunk by chunk.
     Returns the output (a (B, h, N, d) view of a (B, N, h, d) buffer) and ``W+``, ``W-``."""
     B, h, N, d = q.shape
     n = k.shape[-2]
     d_s = (d + 1) // 2
-    work = p.dtype
+    work = torch.promote_types(p.dtype, core_dtype(q, k, v))
     kvp = kvn = ksp = ksn = None
     step = chunk_rows(k, rows)
     for i in range(0, n, step):
