@@ -492,19 +492,26 @@ def test_token_gram_in_parts(monkeypatch, dtype, parts):
         assert rel(got.double(), want) < tol
 
 
+def force_gram_parts(monkeypatch, parts):
+    """Every :func:`~linattn_mm.ops.common.token_gram` in ``parts`` parts, also on CPU; returns
+    the list of the token counts of the sums really split (``min(parts, tokens) > 1``)."""
+    split = []
+
+    def forced(t, tokens):
+        if tokens > 1:
+            split.append(tokens)
+        return parts
+    monkeypatch.setattr(common, 'token_gram_parts', forced)
+    return split
+
+
 @pytest.mark.parametrize('dtype', DTYPES)
 def test_training_forms_with_token_sums_in_parts(monkeypatch, dtype):
     """The lean forms' products over the tokens (the Pola and NaLa cores' small matrices and their
     gradients, the weight gradients of the split, gated and norm-gated projections) taken in
     parts, as off CPU: outputs and gradients still equal plain autograd of the reference forms,
     and the parts were really taken."""
-    split = []
-
-    def three_parts(t, tokens):
-        if tokens > 1:  # token_gram takes min(parts, tokens): only these are split
-            split.append(tokens)
-        return 3
-    monkeypatch.setattr(common, 'token_gram_parts', three_parts)
+    split = force_gram_parts(monkeypatch, 3)
     test_pola_core(dtype, 2, 3, 37, 37, 8, False, None)
     test_pola_core(dtype, 1, 2, 40, 13, 7, False, None)
     pola = len(split)
@@ -520,13 +527,7 @@ def test_training_forms_with_token_sums_in_parts(monkeypatch, dtype):
 def test_backbone_gradients_with_token_sums_in_parts(monkeypatch, name):
     """Whole backbones (float64, odd sizes) with every sum over the tokens of the lean forms in 5
     parts: the outputs and all gradients equal the reference forms as without parts."""
-    split = []
-
-    def five_parts(t, tokens):
-        if tokens > 1:  # token_gram takes min(parts, tokens): only these are split
-            split.append(tokens)
-        return 5
-    monkeypatch.setattr(common, 'token_gram_parts', five_parts)
+    split = force_gram_parts(monkeypatch, 5)
     test_backbone_gradients_equal_the_reference_forms(name, False)
     assert len(split) >= 8
 
