@@ -252,6 +252,13 @@ TABLE = {
     'python tools/benchmark.py --mode train configs/setformer/mask-rcnn_setformer-t_fpn_1x_coco.py '
     '--sizes 1024 2048 --threads 1 --warmup 0 --repeats 1':
         Run('benchmark_train_scale_setformer', '--sizes 64 96'),
+    'python tools/benchmark.py --mode train configs/padre/mask-rcnn_padre-swin-t_fpn_1x_coco.py '
+    'configs/poly/mask-rcnn_poly-pvt-t_fpn_1x_coco.py swin-t pvt-t --sizes 800x1344 --threads 1 '
+    '--warmup 1 --repeats 3 --compare swin-t configs/poly/mask-rcnn_poly-pvt-t_fpn_1x_coco.py:pvt-t':
+        Run('benchmark_train_padre_poly', '--sizes 64x96 --warmup 0 --repeats 1'),
+    'python tools/benchmark.py --mode train pola-swin-t nalaformer-t swin-t linattn-swin-t '
+    '--sizes 800x1344 --threads 1 --warmup 1 --repeats 1 --dtype bf16 --compare swin-t':
+        Run('benchmark_train_bf16', '--sizes 64x96 --warmup 0'),
     'python tools/benchmark.py --mode core --device cuda --dtype bf16 --grid 128x128 256x256 '
     '--batch 8 --impls triton torch --compare torch':
         Run('benchmark_core', '--device cpu --dtype fp32 --impls torch reference --compare '
@@ -810,6 +817,29 @@ def case_benchmark_train_scale(sh, tmp_path):
                  'configs/poly/mask-rcnn_poly-pvt-t_fpn_1x_coco.py'):
         assert re.search(rf'^{re.escape(name)}\s+\S+\s+96x96/64x64: [\d.]+; slope [-\d.]+ '
                          rf'\(memory [\d.]+\)', out, re.M), out[-3000:]
+
+
+def case_benchmark_train_padre_poly(sh, tmp_path):
+    padre = 'configs/padre/mask-rcnn_padre-swin-t_fpn_1x_coco.py'
+    poly = 'configs/poly/mask-rcnn_poly-pvt-t_fpn_1x_coco.py'
+    cmd = (f'python tools/benchmark.py --mode train {padre} {poly} swin-t pvt-t --sizes 800x1344 '
+           f'--threads 1 --warmup 1 --repeats 3 --compare swin-t {poly}:pvt-t')
+    out = sh(cmd, doc_argv(cmd, values={'--sizes': ['64x96'], '--warmup': ['0'],
+                                        '--repeats': ['1']}))
+    assert '# time ratios: swin-t / this' in out and '# time ratios: pvt-t / this' in out
+    for name in (padre, poly):
+        assert re.search(_RATIO.format(name=re.escape(name), impl=r'\S+', size='64x96'), out,
+                         re.M), out[-3000:]
+
+
+def case_benchmark_train_bf16(sh, tmp_path):
+    cmd = ('python tools/benchmark.py --mode train pola-swin-t nalaformer-t swin-t linattn-swin-t '
+           '--sizes 800x1344 --threads 1 --warmup 1 --repeats 1 --dtype bf16 --compare swin-t')
+    out = sh(cmd, doc_argv(cmd, values={'--sizes': ['64x96'], '--warmup': ['0']}))
+    assert 'dtype bf16' in out.splitlines()[0] or 'dtype bf16' in out, out[:2000]
+    for name in ('pola-swin-t', 'nalaformer-t', 'linattn-swin-t'):
+        assert re.search(rf'^{name}\s+\S+\s+64x96: [\d.]+x  \(.*memory [\d.]+x', out, re.M), \
+            out[-3000:]
 
 
 def case_benchmark_train_scale_setformer(sh, tmp_path):
