@@ -5,7 +5,8 @@ import torch
 __all__ = ['grad_needed', 'sign_split', 'linear_into', 'chunked_layer_setup', 'MIN_CHUNK_ROWS',
            'numpy_log2_', 'NUMPY_LOG2_MAX_THREADS', 'core_dtype', 'no_autocast',
            'token_chunk_rows', 'TOKEN_CHUNK_ELEMENTS', 'TOKEN_MIN_ROWS', 'add_or_take',
-           'token_gram', 'token_gram_parts', 'TOKENS_PER_GRAM_PART']
+           'token_gram', 'token_gram_parts', 'TOKENS_PER_GRAM_PART', 'in_dtype_of',
+           'kept_input']
 
 
 def grad_needed(*tensors):
@@ -66,6 +67,24 @@ def token_chunk_rows(name, t, width, rows=None):
     if rows < 1:
         raise ValueError(f'{name}: rows must be positive, got {rows}')
     return min(tokens, rows)
+
+
+def in_dtype_of(t, like):
+    """``t`` in the dtype of ``like`` (None stays None): a gradient computed in a Function's
+    working dtype, returned in the dtype of its input."""
+    return None if t is None else t.to(like.dtype)
+
+
+def kept_input(name, x, twin=None):
+    """What a training Function keeps of its input ``x`` for backward: ``x``, or ``twin``, a
+    lower-precision tensor of the same shape with ``twin.to(x.dtype) == x`` exactly (the backward
+    casts it back), so that a float32 copy that feeds several Functions is not kept by each."""
+    if twin is None:
+        return x
+    if twin.shape != x.shape:
+        raise ValueError(f'{name}: the kept twin must have the input\'s shape {tuple(x.shape)}, '
+                         f'got {tuple(twin.shape)}')
+    return twin
 
 
 def add_or_take(acc, t):

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .common import add_or_take, linear_into, token_chunk_rows, token_gram
+from .common import add_or_take, kept_input, linear_into, token_chunk_rows, token_gram
+from .common import in_dtype_of as _to
 
 __all__ = ['DepthwiseConvTokens', 'depthwise_conv_tokens', 'GatedLinear', 'NormGatedLinear',
            'SplitLinear', 'split_linear',
@@ -40,10 +41,6 @@ def recomputed(fn, *args):
     with the random state and autocast of the first run), so the gradients are those of ``fn``.
     Without a gradient it simply runs ``fn``."""
     return checkpoint(fn, *args, use_reentrant=False)
-
-
-def _to(t, like):
-    return None if t is None else t.to(like.dtype)
 
 
 #: rows of one band of :class:`DepthwiseConvTokens` on CPU: between :data:`MIN_BAND_ROWS` and
@@ -141,13 +138,7 @@ class DepthwiseConvTokens(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, v, hw_shape, weight, bias, padding, rows=None, backward_form=None, keep=None):
-        if keep is not None:
-            if keep.shape != v.shape:
-                raise ValueError(f'DepthwiseConvTokens: keep must have the shape of v, '
-                                 f'{tuple(v.shape)}, got {tuple(keep.shape)}')
-            ctx.v_dtype, v = v.dtype, keep
-        else:
-            ctx.v_dtype = v.dtype
+        ctx.v_dtype, v = v.dtype, kept_input('DepthwiseConvTokens', v, keep)
         B, N, C = v.shape
         H, W = hw_shape
         k = weight.shape[-1]

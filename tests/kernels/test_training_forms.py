@@ -677,6 +677,12 @@ def test_a_lower_precision_twin_is_kept_instead_of_the_input():
             results.append([out.detach(), v.grad] + [t.grad for t in others])
         for a, b in zip(*results):
             assert a.dtype == b.dtype and torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"DepthwiseConvTokens: the kept twin must have the "
+                       r"input's shape \(2, 30, 8\), got \(2, 29, 8\)"):
+        DepthwiseConvTokens.apply(low.float(), (H, W), wt, None, (2, 2), 2, None, low[:, :29])
+    with pytest.raises(ValueError, match=r"NormAwareAttention: the kept twin must have the "
+                       r"input's shape"):
+        nala_attention_fast(qn, kn, low_h.float(), 3., 1e-6, sin, cos, v_keep=low_h[:, :, 1:])
 
 
 def test_core_dtypes_with_mixed_inputs():

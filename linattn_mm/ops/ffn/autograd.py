@@ -19,12 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from ..common import add_or_take, linear_into, token_chunk_rows
+from ..common import in_dtype_of as _to
 
 __all__ = ['FFNBranch', 'ConvFFNBranch', 'ffn_branch', 'conv_ffn_branch']
-
-
-def _to(t, like):
-    return None if t is None else t.to(like.dtype)
 
 
 def _ln_input(x):

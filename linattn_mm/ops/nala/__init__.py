@@ -36,8 +36,9 @@ def nala_attention(q, k, v, power=3., eps=1e-6, sin=None, cos=None, kernel='offi
     in their own dtype and casts them itself (under autocast it keeps the half-precision
     projections for backward, not float32 copies; ``v_keep``: a lower-precision twin of ``v`` to
     keep instead, see :class:`~linattn_mm.ops.nala.autograd.NormAwareAttention`). The result has
-    the dtype ``out_dtype``, by default that of ``v``. ``query_power``: a constant query exponent instead of the norm-aware
-    ``power * (0.5 + tanh ||q||)`` (the paper's Table 5 ablation; no Triton core)."""
+    the dtype ``out_dtype``, by default that of ``v``. ``query_power``: a constant query exponent
+    instead of the norm-aware ``power * (0.5 + tanh ||q||)`` (the paper's Table 5 ablation; no
+    Triton core)."""
     check_core('nala_attention', core)
     if kernel != 'official' and core == 'triton':
         raise ValueError(f"nala_attention: kernel={kernel!r} has no Triton core")

@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from ..common import core_dtype, token_gram
+from ..common import core_dtype, kept_input, token_gram
 from .fast import _query_terms, _key_power, _rot_rows, _with_rope, key_matrix, nala_forward
 from .reference import nala_attention_reference
 
@@ -78,10 +78,8 @@ class NormAwareAttention(torch.autograd.Function):
                                       query_power)
         ctx.power, ctx.eps, ctx.query_power = power, eps, query_power
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
-        if v_keep is not None and v_keep.shape != v.shape:
-            raise ValueError(f'NormAwareAttention: v_keep must have the shape of v, '
-                             f'{tuple(v.shape)}, got {tuple(v_keep.shape)}')
-        ctx.save_for_backward(q, k, v if v_keep is None else v_keep, sin, cos, w, k_mean)
+        ctx.save_for_backward(q, k, kept_input('NormAwareAttention', v, v_keep), sin, cos, w,
+                              k_mean)
         return out
 
     @staticmethod

@@ -25,6 +25,7 @@ import math
 import torch
 
 from ..common import numpy_log2_, token_gram
+from ..common import in_dtype_of as _to
 from .fast import chunk_rows, heads_buffer, polarity_forward, query_side, token_slice
 
 __all__ = ['PolarityAttention', 'polarity_attention_fast']
@@ -78,11 +79,6 @@ def _key_matrix_grads(dw_pos, dw_neg, d, n):
     dksp = (dw_pos[..., d] + dw_neg[..., d + 1]) / n
     dksn = (dw_pos[..., d + 1] + dw_neg[..., d]) / n
     return dkvp, dkvn, dksp, dksn
-
-
-def _cast(grad, like):
-    """A gradient computed in the core's dtype, in the dtype of its input (None stays None)."""
-    return None if grad is None else grad.to(like.dtype)
 
 
 def _add_sum(acc, t, shape):
@@ -163,7 +159,8 @@ class PolarityAttention(torch.autograd.Function):
         dv = heads_buffer(v, n, work) if need[2] else None
         for i in range(0, n, rows):
             sl = slice(i, min(i + rows, n))
-            terms = _PowerTerms(k[:, :, sl].to(work), p, inv_scale, token_slice(k_bias, sl, n, work))
+            terms = _PowerTerms(k[:, :, sl].to(work), p, inv_scale,
+                                token_slice(k_bias, sl, n, work))
             kp, kn = terms.features()
             if dv is not None:
                 dv[:, :, sl] = torch.matmul(kp, dkvp).add_(kn @ dkvn)
@@ -177,7 +174,7 @@ class PolarityAttention(torch.autograd.Function):
         d_bias = None
         if k_bias is not None and need[6]:
             d_bias = dk.sum_to_size(k_bias.shape).to(k_bias.dtype)
-        return (_cast(dq, q), _cast(dk, k) if need[1] else None, _cast(dv, v), grads_p, None,
+        return (_to(dq, q), _to(dk, k) if need[1] else None, _to(dv, v), grads_p, None,
                 acc['inv'] if want_inv else None, d_bias, None)
 
 
