@@ -56,8 +56,13 @@ def apply_launcher_defaults(cfg):
     """Make multi-process runs work without CUDA: the gloo backend (nccl needs GPUs), the
     process group created here for the ``pytorch`` (torchrun) launcher (mmengine's own set-up
     calls ``torch.cuda.set_device``), and DDP without device ids whose SyncBN layers synchronise
-    over gloo (:class:`linattn_mm.dist.CPUDistributedDataParallel`)."""
-    if cfg.get('launcher', 'none') == 'none' or torch.cuda.is_available():
+    over gloo (:class:`linattn_mm.dist.CPUDistributedDataParallel`). With CUDA, a torchrun
+    process whose local rank has no GPU (more processes per node than GPUs) stops with an error
+    that says so, before mmengine's ``torch.cuda.set_device`` fails on it."""
+    if cfg.get('launcher', 'none') == 'none':
+        return cfg
+    if torch.cuda.is_available():
+        check_local_gpu(cfg.launcher)
         return cfg
     env = dict(cfg.get('env_cfg') or {})
     env['dist_cfg'] = dict(env.get('dist_cfg') or {}, backend='gloo')
@@ -74,6 +79,18 @@ def apply_launcher_defaults(cfg):
     wrapper.setdefault('device_ids', None)
     cfg.model_wrapper_cfg = wrapper
     return cfg
+
+
+def check_local_gpu(launcher):
+    """Raise if this torchrun process (``launcher='pytorch'``) has no GPU of its own."""
+    if launcher != 'pytorch':
+        return
+    local_rank, count = int(os.environ.get('LOCAL_RANK', 0)), torch.cuda.device_count()
+    if local_rank >= count:
+        raise RuntimeError(
+            f'the process of local rank {local_rank} has no GPU: {count} visible on this node. '
+            f'Start at most {count} processes per node (bash tools/dist_train.sh CONFIG {count}), '
+            f'or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train with CPU processes over gloo')
 
 
 def close_process_group(wait=True):

@@ -31,7 +31,8 @@ def _weights(path):
 
 
 @pytest.mark.parametrize('config', ['pvtv2/pvtv2-b0_in1k.py', 'polaformer/pola-pvt-t_in1k.py'])
-def test_two_process_training_matches_one_process(demo_data, tmp_path, config):
+def test_two_process_training_matches_one_process(demo_data, tmp_path, config, monkeypatch):
+    monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '')  # both runs on CPU, also on a GPU machine
     cfg = tmp_path / 'dist_cfg.py'
     # the classifier on the demo data: the one-file config of the demo overlay (the mim route)
     name = osp.splitext(osp.basename(config))[0]

@@ -412,7 +412,8 @@ def _pngs(folder, recursive=False):
 
 
 def _dist_env(port):
-    return dict(PYTHON=sys.executable, PORT=str(port))
+    # CPU processes over gloo, also on a machine with fewer GPUs than processes
+    return dict(PYTHON=sys.executable, PORT=str(port), CUDA_VISIBLE_DEVICES='')
 
 
 def _state_dict_keys(ckpt):

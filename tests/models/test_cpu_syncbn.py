@@ -104,3 +104,21 @@ def test_launcher_defaults_select_the_cpu_wrapper():
                                                  find_unused_parameters=True))))
     assert cfg.model_wrapper_cfg.type == 'CPUDistributedDataParallel'
     assert cfg.model_wrapper_cfg.find_unused_parameters
+
+
+def test_more_processes_than_gpus_is_a_clear_error(monkeypatch):
+    """A torchrun process whose local rank has no GPU stops with an error naming the counts and
+    the two ways out (mmengine's own set-up fails with 'invalid device ordinal')."""
+    from mmengine.config import Config
+
+    from linattn_mm.cli import apply_launcher_defaults
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 1)
+    monkeypatch.setenv('LOCAL_RANK', '1')
+    with pytest.raises(RuntimeError, match=r'the process of local rank 1 has no GPU: 1 visible '
+                       r'on this node\. Start at most 1 processes per node \(bash '
+                       r'tools/dist_train\.sh CONFIG 1\), or hide the GPUs'):
+        apply_launcher_defaults(Config(dict(launcher='pytorch')))
+    monkeypatch.setenv('LOCAL_RANK', '0')  # its own GPU: the config is left to mmengine
+    cfg = apply_launcher_defaults(Config(dict(launcher='pytorch')))
+    assert 'model_wrapper_cfg' not in cfg and 'env_cfg' not in cfg
