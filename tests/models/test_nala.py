@@ -95,7 +95,9 @@ def nala_reference(m, x, H, W, kernel, eps=1e-6):
     return torch.stack(outs)
 
 
-def softmax_reference(m, x, H, W):
+def softmax_reference(m, x, H, W, products=lambda t: t):
+    """``products``: what becomes of the inputs of the two attention products (the rotated q, k
+    and v), e.g. their rounding to bfloat16 where autocast casts a matmul's inputs."""
     B, N, C = x.shape
     h = m.num_heads
     d = C // h
@@ -106,8 +108,9 @@ def softmax_reference(m, x, H, W):
         heads = []
         for i in range(h):
             sl = slice(i * d, (i + 1) * d)
-            logits = rotate(q[:, sl], ang) @ rotate(k[:, sl], ang).T / math.sqrt(d)
-            heads.append(torch.softmax(logits, 1) @ v[:, sl])
+            qr, kr = products(rotate(q[:, sl], ang)), products(rotate(k[:, sl], ang))
+            logits = qr @ kr.T / math.sqrt(d)
+            heads.append(torch.softmax(logits, 1) @ products(v[:, sl]))
         outs.append(gated_output(m, x[b], torch.cat(heads, 1), v, g, H, W))
     return torch.stack(outs)
 
@@ -170,6 +173,38 @@ def test_softmax_block_matches_float64_formula():
     x = torch.randn(2, H * W, C, dtype=torch.float64)
     torch.testing.assert_close(m(x, (H, W)), softmax_reference(m, x, H, W), rtol=1e-6,
                                atol=1e-6)
+
+
+def test_softmax_block_under_autocast_runs_its_products_in_half_precision():
+    """As the released block under autocast: it casts q, k, v to float32 and rotates them in
+    float32, and autocast then runs its two matmuls on bfloat16 copies (softmax statistics in
+    float32). The attention keeps bfloat16 token maps for backward, no float32 ones, and the
+    output is the float64 formula on the bfloat16-rounded products' inputs within bfloat16's
+    rounding (the projections, and the output's dtype, are autocast's as well). Without
+    autocast nothing is rounded (the float64 test above)."""
+    torch.manual_seed(0)
+    C, h, H, W = 32, 2, 6, 7
+    m = randomise(NaLaSoftmaxAttention(C, h), scale=0.2).train()
+    with torch.no_grad():  # weights and input exactly representable in bfloat16
+        for p in m.parameters():
+            p.copy_(p.bfloat16())
+    x = torch.randn(2, H * W, C).bfloat16().float().requires_grad_()
+    maps = []
+
+    def pack(t):
+        if t.dim() == 4 and t.shape[-2:] == (H * W, C // h):
+            maps.append(t.dtype)
+        return t
+    with torch.autocast('cpu', dtype=torch.bfloat16), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = m(x, (H, W))
+    assert out.dtype == torch.bfloat16 and len(maps) >= 3 and set(maps) == {torch.bfloat16}
+    out.float().sum().backward()
+    assert torch.isfinite(x.grad).all()
+    rounded = lambda t: t.bfloat16().double()  # noqa: E731
+    ref = softmax_reference(m.double(), x.detach().double(), H, W, products=rounded)
+    err = (out.double() - ref).abs().max() / ref.abs().max()
+    assert err < 1e-2, err
 
 
 def test_rope_module_and_shared_rope_argument():

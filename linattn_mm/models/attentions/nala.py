@@ -331,8 +331,12 @@ class NaLaSoftmaxAttention(NaLaMixerBase):
     Same parameters as :class:`NormAwareLinearAttention` (``qkvg``, ``lepe``, ``ln``,
     ``out_proj``): ``q`` and ``k`` are rotated by the 2-D RoPE, then
     ``out_proj(LN(softmax(q k^T / sqrt(d)) v + LePE(v)) * SiLU(g))``. The attention runs through
-    ``F.scaled_dot_product_attention`` in float32 (autocast disabled), as the official code computes
-    it in float32; memory is ``O(N)`` with the memory-efficient kernels.
+    ``F.scaled_dot_product_attention`` under the caller's autocast; memory is ``O(N)`` with the
+    fused kernels. Precision as in the official code: it casts q, k, v to float32 (``.float()``)
+    and rotates them in float32, and its two matmuls then run in float32 without autocast and in
+    half precision under autocast (autocast casts a matmul's inputs, whatever their dtype), with
+    the softmax in float32. The fused kernel keeps the logits and the softmax statistics in
+    float32 under autocast too. The LePE, the LayerNorm and the gate run in float32, as there.
 
     Args:
         embed_dims (int): channels ``C``.
@@ -380,11 +384,14 @@ class NaLaSoftmaxAttention(NaLaMixerBase):
 
     def forward(self, x, hw_shape, rope=None):
         self.check_input(x, hw_shape)
-        # the attention keeps its own float32 v: the LePE keeps the same one, the gate a float32 g
+        # v cast once, so that the LePE and attention gradients are summed in float32; the LePE
+        # keeps that v, the gate a float32 g, the attention its own copies (half precision
+        # under autocast)
         q, k, v, g, lepe, _ = self._project(x, hw_shape, keep_low=False)
-        with no_autocast(x.device):  # in float32, as the official code
-            q, k = q.to(v.dtype), k.to(v.dtype)
-            q, k = self._rotate(q, k, hw_shape, rope)
-            out = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=self.attn_drop if self.training else 0., scale=self.scale)
-        return self.gated_output(out, lepe, g)
+        with no_autocast(x.device):  # the RoPE in float32, as the official code
+            q, k = self._rotate(q.to(v.dtype), k.to(v.dtype), hw_shape, rope)
+        # the products under the caller's autocast, as the official code's matmuls: in half
+        # precision under autocast (softmax statistics in float32), in float32 otherwise
+        out = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.attn_drop if self.training else 0., scale=self.scale)
+        return self.gated_output(out.to(v.dtype), lepe, g)
