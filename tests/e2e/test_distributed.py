@@ -5,6 +5,7 @@ Pola one in its default training form (the lean autograd Functions of the core, 
 projection and FFN)."""
 import os
 import os.path as osp
+import socket
 import subprocess
 import sys
 
@@ -30,6 +31,13 @@ def _weights(path):
         return torch.load(path, map_location='cpu', weights_only=True)['state_dict']
 
 
+def free_port():
+    """A TCP port free on this machine now (the cases may run side by side)."""
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
 @pytest.mark.parametrize('config', ['pvtv2/pvtv2-b0_in1k.py', 'polaformer/pola-pvt-t_in1k.py'])
 def test_two_process_training_matches_one_process(demo_data, tmp_path, config, monkeypatch):
     monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '')  # both runs on CPU, also on a GPU machine
@@ -41,7 +49,7 @@ def test_two_process_training_matches_one_process(demo_data, tmp_path, config, m
     one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
     run_tool(['tools/train.py', str(cfg), '--work-dir', one,
               '--cfg-options', 'train_dataloader.batch_size=4'])
-    env = dict(os.environ, PYTHON=sys.executable, PORT='29517')
+    env = dict(os.environ, PYTHON=sys.executable, PORT=str(free_port()))
     res = subprocess.run(['bash', 'tools/dist_train.sh', str(cfg), '2', '--work-dir', two,
                           '--cfg-options', 'train_dataloader.batch_size=2'],
                          cwd=REPO, env=env, capture_output=True, text=True,
