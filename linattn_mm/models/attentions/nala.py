@@ -55,8 +55,11 @@ The paper's own form of the mixer, ``kernel='paper', use_rope=False, use_lepe=Fa
     out = out_proj(LN(phi_q (phi_k^T v) / N / (phi_q . mean_j(phi_k) + eps)) * SiLU(g))
 
 Precision: everything between the ``qkvg`` projection and ``out_proj`` (LePE, kernel, matmuls,
-LayerNorm and gate) runs in float32 with autocast disabled, as the official code (``k^3`` and the
-powers overflow fp16); float64 inputs are computed in float64.
+LayerNorm and gate) runs in float32 with autocast disabled, as the official code's ``.float()``
+(``k^3`` and the powers overflow fp16; there, under autocast, the kernel's matmuls would still run
+in half precision); float64 inputs are computed in float64. The softmax stages
+(:class:`NaLaSoftmaxAttention`) run their attention products under autocast, as the official
+block does.
 """
 import torch
 import torch.nn as nn
