@@ -285,6 +285,11 @@ TABLE = {
     '--repeats 10 --compare swin-t pola-pvt-t:pvt-t':
         Run('gpu_benchmark_train', '--device cpu --sizes 64x96 --batch 1 --warmup 0 --repeats 1 '
             '(no GPU in CI; bf16 autocast on CPU)'),
+    'python tools/benchmark.py --mode train pola-swin-t nalaformer-t swin-t linattn-swin-t '
+    'pola-pvt-t pvt-t --device cuda --sizes 800x1344 --batch 1 --warmup 3 --repeats 10 '
+    '--compare swin-t pola-pvt-t:pvt-t':
+        Run('gpu_benchmark_train_fp32', '--device cpu --sizes 64x96 --warmup 0 --repeats 1 '
+            '(no GPU in CI)'),
     "python tools/benchmark.py --mode train "
     "configs/polaformer/mask-rcnn_pola-swin-t_fpn_1x_coco.py "
     "configs/nalaformer/mask-rcnn_nalaformer-t_fpn_1x_coco.py "
@@ -783,11 +788,22 @@ def case_gpu_benchmark_backbone(sh, tmp_path):
                 out[-3000:]
 
 
+_GPU_TRAIN = ('python tools/benchmark.py --mode train pola-swin-t nalaformer-t swin-t '
+              'linattn-swin-t pola-pvt-t pvt-t --device cuda ')
+
+
 def case_gpu_benchmark_train(sh, tmp_path):
-    cmd = _gpu_cmd('python tools/benchmark.py --mode train pola-swin-t')
+    _gpu_train_case(sh, _gpu_cmd(_GPU_TRAIN + '--dtype bf16'), 'bf16')
+
+
+def case_gpu_benchmark_train_fp32(sh, tmp_path):
+    _gpu_train_case(sh, _gpu_cmd(_GPU_TRAIN + '--sizes'), 'fp32')
+
+
+def _gpu_train_case(sh, cmd, dtype):
     out = sh(cmd, doc_argv(cmd, values={'--device': ['cpu'], '--sizes': ['64x96'],
                                         '--batch': ['1'], '--warmup': ['0'], '--repeats': ['1']}))
-    assert 'dtype bf16' in out and 'FAILED' not in out, out[-3000:]
+    assert f'dtype {dtype}' in out and 'FAILED' not in out, out[-3000:]
     for base, name in (('swin-t', 'pola-swin-t'), ('swin-t', 'nalaformer-t'),
                        ('swin-t', 'linattn-swin-t'), ('pvt-t', 'pola-pvt-t')):
         assert f'# time ratios: {base} / this' in out
