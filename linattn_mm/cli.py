@@ -81,16 +81,23 @@ def apply_launcher_defaults(cfg):
     return cfg
 
 
+#: the variable of the local rank, by launcher, where mmengine takes the GPU of that index (the
+#: slurm launcher takes the process id modulo the GPU count)
+LOCAL_RANK_VARIABLES = {'pytorch': 'LOCAL_RANK', 'mpi': 'OMPI_COMM_WORLD_LOCAL_RANK'}
+
+
 def check_local_gpu(launcher):
-    """Raise if this torchrun process (``launcher='pytorch'``) has no GPU of its own."""
-    if launcher != 'pytorch':
+    """Raise if this process (torchrun or mpirun) has no GPU of its own on its node."""
+    name = LOCAL_RANK_VARIABLES.get(launcher)
+    if name is None:
         return
-    local_rank, count = int(os.environ.get('LOCAL_RANK', 0)), torch.cuda.device_count()
+    local_rank, count = int(os.environ.get(name, 0)), torch.cuda.device_count()
     if local_rank >= count:
         raise RuntimeError(
             f'the process of local rank {local_rank} has no GPU: {count} visible on this node. '
-            f'Start at most {count} processes per node (bash tools/dist_train.sh CONFIG {count}), '
-            f'or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train with CPU processes over gloo')
+            f'Start at most {count} per node (the process count of tools/dist_train.sh or '
+            f'tools/dist_test.sh), or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run CPU processes '
+            f'over gloo')
 
 
 def close_process_group(wait=True):

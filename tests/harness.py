@@ -67,9 +67,10 @@ def triton_interpret_checks(which):
     return json.loads(out.stdout)
 
 
-def run_tool(args, cwd=REPO, timeout=900):
-    """Run a tool script in a subprocess; return its output (asserting success)."""
-    env = dict(os.environ, PYTHONUNBUFFERED='1')
+def run_tool(args, cwd=REPO, timeout=900, env=None):
+    """Run a tool script in a subprocess (``env``: variables to set there); return its output
+    (asserting success)."""
+    env = dict(os.environ, PYTHONUNBUFFERED='1', **(env or {}))
     res = subprocess.run([sys.executable] + args, cwd=cwd, capture_output=True, text=True,
                          env=env, timeout=timeout)
     out = res.stdout + res.stderr

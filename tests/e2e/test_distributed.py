@@ -39,17 +39,17 @@ def free_port():
 
 
 @pytest.mark.parametrize('config', ['pvtv2/pvtv2-b0_in1k.py', 'polaformer/pola-pvt-t_in1k.py'])
-def test_two_process_training_matches_one_process(demo_data, tmp_path, config, monkeypatch):
-    monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '')  # both runs on CPU, also on a GPU machine
+def test_two_process_training_matches_one_process(demo_data, tmp_path, config):
     cfg = tmp_path / 'dist_cfg.py'
     # the classifier on the demo data: the one-file config of the demo overlay (the mim route)
     name = osp.splitext(osp.basename(config))[0]
     base = write_demo_config(osp.join(CONFIGS, config), str(tmp_path / f'{name}_demo.py'))
     cfg.write_text(CONFIG.format(base=base))
     one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
+    cpu = dict(CUDA_VISIBLE_DEVICES='')  # both runs on CPU, also on a GPU machine
     run_tool(['tools/train.py', str(cfg), '--work-dir', one,
-              '--cfg-options', 'train_dataloader.batch_size=4'])
-    env = dict(os.environ, PYTHON=sys.executable, PORT=str(free_port()))
+              '--cfg-options', 'train_dataloader.batch_size=4'], env=cpu)
+    env = dict(os.environ, PYTHON=sys.executable, PORT=str(free_port()), **cpu)
     res = subprocess.run(['bash', 'tools/dist_train.sh', str(cfg), '2', '--work-dir', two,
                           '--cfg-options', 'train_dataloader.batch_size=2'],
                          cwd=REPO, env=env, capture_output=True, text=True,

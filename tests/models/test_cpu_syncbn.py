@@ -116,9 +116,14 @@ def test_more_processes_than_gpus_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, 'device_count', lambda: 1)
     monkeypatch.setenv('LOCAL_RANK', '1')
     with pytest.raises(RuntimeError, match=r'the process of local rank 1 has no GPU: 1 visible '
-                       r'on this node\. Start at most 1 processes per node \(bash '
-                       r'tools/dist_train\.sh CONFIG 1\), or hide the GPUs'):
+                       r'on this node\. Start at most 1 per node \(the process count of '
+                       r'tools/dist_train\.sh or tools/dist_test\.sh\), or hide the GPUs'):
         apply_launcher_defaults(Config(dict(launcher='pytorch')))
-    monkeypatch.setenv('LOCAL_RANK', '0')  # its own GPU: the config is left to mmengine
-    cfg = apply_launcher_defaults(Config(dict(launcher='pytorch')))
-    assert 'model_wrapper_cfg' not in cfg and 'env_cfg' not in cfg
+    monkeypatch.setenv('OMPI_COMM_WORLD_LOCAL_RANK', '3')
+    with pytest.raises(RuntimeError, match='the process of local rank 3 has no GPU'):
+        apply_launcher_defaults(Config(dict(launcher='mpi')))
+    # slurm: mmengine takes the process id modulo the GPU count; its own GPU: left to mmengine
+    monkeypatch.setenv('LOCAL_RANK', '0')
+    for launcher in ('slurm', 'pytorch'):
+        cfg = apply_launcher_defaults(Config(dict(launcher=launcher)))
+        assert 'model_wrapper_cfg' not in cfg and 'env_cfg' not in cfg

@@ -95,9 +95,7 @@ def nala_reference(m, x, H, W, kernel, eps=1e-6):
     return torch.stack(outs)
 
 
-def softmax_reference(m, x, H, W, products=lambda t: t):
-    """``products``: what becomes of the inputs of the two attention products (the rotated q, k
-    and v), e.g. their rounding to bfloat16 where autocast casts a matmul's inputs."""
+def softmax_reference(m, x, H, W):
     B, N, C = x.shape
     h = m.num_heads
     d = C // h
@@ -108,9 +106,8 @@ def softmax_reference(m, x, H, W, products=lambda t: t):
         heads = []
         for i in range(h):
             sl = slice(i * d, (i + 1) * d)
-            qr, kr = products(rotate(q[:, sl], ang)), products(rotate(k[:, sl], ang))
-            logits = qr @ kr.T / math.sqrt(d)
-            heads.append(torch.softmax(logits, 1) @ products(v[:, sl]))
+            logits = rotate(q[:, sl], ang) @ rotate(k[:, sl], ang).T / math.sqrt(d)
+            heads.append(torch.softmax(logits, 1) @ v[:, sl])
         outs.append(gated_output(m, x[b], torch.cat(heads, 1), v, g, H, W))
     return torch.stack(outs)
 
@@ -177,32 +174,58 @@ def test_softmax_block_matches_float64_formula():
 
 def test_softmax_block_under_autocast_runs_its_products_in_half_precision():
     """As the released block under autocast: it casts q, k, v to float32 and rotates them in
-    float32, and autocast then runs its two matmuls on bfloat16 copies (softmax statistics in
-    float32). The attention keeps bfloat16 token maps for backward, no float32 ones, and the
-    output is the float64 formula on the bfloat16-rounded products' inputs within bfloat16's
-    rounding (the projections, and the output's dtype, are autocast's as well). Without
-    autocast nothing is rounded (the float64 test above)."""
+    float32, and autocast then runs its two matmuls on bfloat16 copies. The fused attention gets
+    bfloat16 q, k and v that are the float64 formula's rotated q, k and v rounded once to
+    bfloat16 (a rotation in bfloat16 would round each product and the sum: further off), it
+    keeps bfloat16 token maps for backward and no float32 ones, and the block's output is the
+    float64 formula within bfloat16's rounding. Without autocast nothing is rounded (the float64
+    test above)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
     torch.manual_seed(0)
     C, h, H, W = 32, 2, 6, 7
+    d, N = C // h, H * W
     m = randomise(NaLaSoftmaxAttention(C, h), scale=0.2).train()
     with torch.no_grad():  # weights and input exactly representable in bfloat16
         for p in m.parameters():
             p.copy_(p.bfloat16())
-    x = torch.randn(2, H * W, C).bfloat16().float().requires_grad_()
+    x = torch.randn(2, N, C).bfloat16().float().requires_grad_()
+
+    class AttentionInputs(TorchDispatchMode):  # what the attention kernel gets, after autocast
+        seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if 'scaled_dot_product' in func.__name__ and 'backward' not in func.__name__:
+                self.seen.append([t.detach().clone() for t in args[:3]])
+            return func(*args, **(kwargs or {}))
     maps = []
 
     def pack(t):
-        if t.dim() == 4 and t.shape[-2:] == (H * W, C // h):
+        if t.dim() == 4 and t.shape[-2:] == (N, d):
             maps.append(t.dtype)
         return t
-    with torch.autocast('cpu', dtype=torch.bfloat16), \
+    with torch.autocast('cpu', dtype=torch.bfloat16), AttentionInputs() as seen, \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = m(x, (H, W))
     assert out.dtype == torch.bfloat16 and len(maps) >= 3 and set(maps) == {torch.bfloat16}
+    (q, k, v), = seen.seen
+    assert q.dtype == k.dtype == v.dtype == torch.bfloat16
     out.float().sum().backward()
     assert torch.isfinite(x.grad).all()
-    rounded = lambda t: t.bfloat16().double()  # noqa: E731
-    ref = softmax_reference(m.double(), x.detach().double(), H, W, products=rounded)
+    # the float64 formula's projections (bfloat16 under autocast: rounded once), rotated in float64
+    md, xd = m.double(), x.detach().double()
+    qd, kd, vd, _ = (xd @ md.qkvg.weight.T + md.qkvg.bias).bfloat16().double().split(C, dim=-1)
+    ang = rope_angles(H, W, d)
+    heads = lambda t: t.view(2, N, h, d).transpose(1, 2)  # noqa: E731
+    for got, want in ((q, qd), (k, kd)):
+        want = torch.stack([torch.cat([rotate(want[b, :, i * d:(i + 1) * d], ang)
+                                       for i in range(h)], 1) for b in range(2)])
+        want = heads(want)
+        rounded = want.bfloat16().double()
+        # rounded once from float32: equal to the float64 value rounded, but for rare ties
+        assert (got.double() != rounded).double().mean() < 0.01
+        assert ((got.double() - want).abs() <= want.abs() * 2 ** -8 + 1e-30).all()
+    assert torch.equal(v, heads(vd).bfloat16())
+    ref = softmax_reference(md, xd, H, W)
     err = (out.double() - ref).abs().max() / ref.abs().max()
     assert err < 1e-2, err
 

@@ -163,8 +163,8 @@ class NaLaMixerBase(BaseTokenMixer):
         autocast off, and ``v_low``: v in the projection's dtype where that is lower (else None),
         for the lean forms to keep. v is cast once because it feeds both the LePE and the
         attention, whose gradients are then summed in the core dtype, as in the plain form.
-        ``keep_low=False`` (an attention that keeps its own float32 v): g in the core dtype too,
-        no ``v_low``, so that nothing keeps the half-precision projection."""
+        ``keep_low=False`` (the softmax mixer, whose attention makes its own copies of v): g in
+        the core dtype too, no ``v_low``, so that nothing keeps the half-precision projection."""
         B, N, C = x.shape
         h, d = self.num_heads, self.head_dims
         # the training form's backward does not stack the chunks' gradients
@@ -378,6 +378,8 @@ class NaLaSoftmaxAttention(NaLaMixerBase):
     has_attention_weights = True
 
     def attention_weights(self, x, hw_shape, rope=None):
+        """(B, h, N, N) softmax weights, in float32 also under autocast (where the forward's
+        products run in half precision)."""
         self.check_input(x, hw_shape)
         q, k = self._project(x, hw_shape)[:2]
         with no_autocast(x.device):
