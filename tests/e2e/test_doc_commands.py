@@ -175,6 +175,12 @@ TABLE = {
                'run by the dist_train cases)'),
     'srun -p PARTITION --ntasks=16 --gres=gpu:8 python tools/train.py CONFIG --launcher slurm':
         Exempt('needs a SLURM cluster (srun)'),
+    'python tools/train.py CONFIG --amp':
+        Exempt("needs a GPU: mmengine's AmpOptimWrapper asserts CUDA (tests/models/test_amp.py "
+               'runs the same autocast and loss scaling on CPU)'),
+    'python tools/train.py CONFIG --amp --cfg-options optim_wrapper.dtype=bfloat16':
+        Exempt("needs a GPU: mmengine's AmpOptimWrapper asserts CUDA (tests/models/test_amp.py "
+               'runs bfloat16 autocast on CPU)'),
     '.venv/bin/python tools/get_flops.py configs/swin/mask-rcnn_swin-t_fpn_1x_coco.py':
         Run('get_flops_maskrcnn', 'unchanged (800x1333; the parameters and MACs the doc quotes '
             'are checked)'),
