@@ -35,6 +35,7 @@ import math
 import torch
 
 from ..common import core_dtype, kept_input, token_gram
+from ..common import in_dtype_of as _to
 from .fast import _query_terms, _key_power, _rot_rows, _with_rope, key_matrix, nala_forward
 from .reference import nala_attention_reference
 
@@ -77,7 +78,7 @@ class NormAwareAttention(torch.autograd.Function):
         out, w, k_mean = nala_forward(q.to(work), k.to(work), v.to(work), power, eps, sin, cos,
                                       query_power)
         ctx.power, ctx.eps, ctx.query_power = power, eps, query_power
-        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+        ctx.v_dtype = v.dtype  # a twin of another dtype may be kept instead of v
         ctx.save_for_backward(q, k, kept_input('NormAwareAttention', v, v_keep), sin, cos, w,
                               k_mean)
         return out
@@ -133,8 +134,8 @@ class NormAwareAttention(torch.autograd.Function):
             tanh = (p / lam - 0.5)
             dqn += dp * lam * (1 - tanh * tanh)
         dq += torch.where(qn > 0, dqn * q / qn, 0.)
-        dt_q, dt_k, dt_v = ctx.dtypes
-        return dq.to(dt_q), dk.to(dt_k), dv.to(dt_v), None, None, None, None, None, None
+        return (_to(dq, q0), _to(dk, k0), dv.to(ctx.v_dtype), None, None, None, None, None,
+                None)
 
 
 class RecomputedCore(torch.autograd.Function):
