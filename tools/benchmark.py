@@ -73,6 +73,7 @@ a fraction of the device's peak (``--peak-bw`` in GB/s, or known for H100 / H200
 ``--impls`` among ``triton``, ``torch``, ``reference``).
 """
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -92,7 +93,7 @@ from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d
 from linattn_mm.models.attentions.pola import PolaLinearAttention
 from linattn_mm.models.utils.layers import TransformerBlock
 from linattn_mm.models.backbones.nalaformer import NaLaBlock
-from linattn_mm.utils import PeakMemoryCounter, use_heap_allocator
+from linattn_mm.utils import OperationCounter, PeakMemoryCounter, use_heap_allocator
 from linattn_mm.utils.progress import emit, progress_bar
 
 POLA_PVT = dict(type='PolaLinearAttention', qkv_layout='qg_kv', alpha=4, kernel_size=5,
@@ -364,7 +365,8 @@ def _train_runner(fn, device, autocast_dtype, model=None):
     step's gradients are not counted in the base of a CUDA peak."""
     def run():
         with torch.autocast(device.type, dtype=autocast_dtype,
-                            enabled=autocast_dtype is not None):
+                            enabled=autocast_dtype is not None) if autocast_dtype is not None \
+                or torch.amp.is_autocast_available(device.type) else contextlib.nullcontext():
             loss = fn()
         loss.backward()
         return loss.detach()
@@ -407,15 +409,25 @@ def peak_memory(run, device):
     return out, mem.peak_bytes, 'PeakMemoryCounter (live tensor storage)'
 
 
-def measure_interleaved(variants, device, warmup, repeats, autocast_dtype):
+def count_operations(run):
+    """The ATen operations (views excluded) of one more call of ``run``."""
+    with OperationCounter() as ops:
+        out = run()
+    del out
+    return ops.total
+
+
+def measure_interleaved(variants, device, warmup, repeats, autocast_dtype, count_ops=False):
     """Time several variants of one forward in rounds (A, B, C, A, B, C, ...), so that a change of
     the background load on a shared machine hits all of them alike.
 
     Args:
         variants (list[tuple[str, callable, callable]]): (name, activate(), forward()).
+        count_ops (bool): also count the operations of one more call of each.
 
     Returns:
-        dict: name -> (median s, times, output of the memory run, peak bytes, method).
+        dict: name -> (median s, times, output of the memory run, peak bytes, method, number
+        of operations or None).
     """
     runs = [(name, act, fn if getattr(fn, 'train', False) else _runner(fn, device, autocast_dtype))
             for name, act, fn in variants]
@@ -437,7 +449,8 @@ def measure_interleaved(variants, device, warmup, repeats, autocast_dtype):
     for name, act, run in runs:
         act()
         out, peak, how = peak_memory(run, device)
-        res[name] = (statistics.median(times[name]), times[name], out, peak, how)
+        ops = count_operations(run) if count_ops else None
+        res[name] = (statistics.median(times[name]), times[name], out, peak, how, ops)
     return res
 
 
@@ -486,6 +499,10 @@ def parse_args(argv=None):
                    help='CPU: serve large tensors from the heap instead of fresh mmaps (glibc; '
                    'linattn_mm.utils.use_heap_allocator)')
     p.add_argument('--peak-bw', type=float, help='--mode core: device peak bandwidth, GB/s')
+    p.add_argument('--count-ops', action='store_true',
+                   help='also count the ATen operations (views excluded) of one more step of '
+                        'each target; with --device meta only that (shapes only: the paths a '
+                        'model takes off CPU, with no GPU)')
     p.add_argument('--json', help='write all results to this JSON file')
     p.add_argument('--plot', help='write a log-log plot of time and peak memory vs pixels')
     return p.parse_args(argv)
@@ -514,6 +531,9 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     heap = use_heap_allocator() if args.heap_malloc else None
     device = torch.device(args.device)
+    if device.type == 'meta' and (args.mode != 'train' or args.dtype != 'fp32'):
+        raise SystemExit('--device meta counts the operations of float32 training steps only '
+                         '(--mode train, --dtype fp32: meta tensors have no autocast)')
     ac = {'fp32': None, 'bf16': torch.bfloat16, 'fp16': torch.float16}[args.dtype]
     torch.manual_seed(args.seed)
     mem_note = 'cuda max_memory_allocated' if device.type == 'cuda' else 'PeakMemoryCounter'
@@ -629,7 +649,8 @@ def main(argv=None):
                         model, 'fast' if impl == '-' else impl, args.ffn,
                         train=args.mode == 'train')), fn_base))
             try:
-                meas = measure_interleaved(variants, device, args.warmup, args.repeats, ac)
+                meas = measure_interleaved(variants, device, args.warmup, args.repeats, ac,
+                                           args.count_ops or device.type == 'meta')
             except (RuntimeError, MemoryError) as e:  # e.g. out of memory
                 emit(bar, f'{" ".join(b[0] for b in built)} {hw[0]}x{hw[1]}: FAILED '
                      f'{type(e).__name__}: {str(e)[:200]}')
@@ -639,17 +660,25 @@ def main(argv=None):
             for name, model, call, impls, _, nparams in built:
                 first_out = meas[f'{name} | {impls[0]}'][2]
                 for impl in impls:
-                    med, times, out, peak, how = meas[f'{name} | {impl}']
-                    diff = None if impl == impls[0] else max_abs_diff(first_out, out)
+                    med, times, out, peak, how, ops = meas[f'{name} | {impl}']
+                    diff = None if impl == impls[0] or device.type == 'meta' else max_abs_diff(
+                        first_out, out)
                     r = dict(target=name, impl=impl, size=list(hw), pixels=hw[0] * hw[1],
                              batch=args.batch, latency_ms=med * 1e3,
                              times_ms=[t * 1e3 for t in times], img_per_s=args.batch / med,
                              peak_mem_mb=peak / 2**20, peak_mem_method=how, params=nparams,
                              max_abs_diff_vs_first_impl=diff,
-                             max_abs_output=max_abs(out))
+                             max_abs_output=None if device.type == 'meta' else max_abs(out),
+                             operations=ops)
                     results.append(r)
                     extra = '' if diff is None else (f'  max|diff| vs {impls[0]} = {diff:.3g} '
                                                      f'(max|out| {r["max_abs_output"]:.3g})')
+                    if ops is not None:
+                        extra = f'  {ops:6d} ops' + extra
+                    if device.type == 'meta':  # no time, no memory: operations only
+                        emit(bar, f'{name:28s} {impl:9s} {hw[0]:5d}x{hw[1]:<5d} {ops:6d} ops')
+                        del out
+                        continue
                     emit(bar, f'{name:28s} {impl:9s} {hw[0]:5d}x{hw[1]:<5d} {med * 1e3:10.1f} ms '
                          f'(min {min(times) * 1e3:.1f}) {args.batch / med:9.2f} img/s  '
                          f'peak {peak / 2**20:9.1f} MB{extra}')
@@ -671,8 +700,11 @@ def main(argv=None):
 
     for spec in args.compare or []:
         only, base_name = _compare_spec(spec)
-        print(f'\n# time ratios: {base_name} / this (> 1 means faster than {base_name}); peak '
-              f'memory ratios: this / {base_name} (< 1 means leaner)')
+        if device.type == 'meta':
+            print(f'\n# operations per step: this / {base_name}')
+        else:
+            print(f'\n# time ratios: {base_name} / this (> 1 means faster than {base_name}); peak '
+                  f'memory ratios: this / {base_name} (< 1 means leaner)')
         for r in results:
             if only is not None and r['target'] != only:
                 continue
@@ -680,6 +712,16 @@ def main(argv=None):
                 (b['target'] == base_name and b['impl'] in (r['impl'], '-', 'fast'))
                 or (b['impl'] == base_name and b['target'] == r['target']))]
             if base and r['target'] != base_name and r['impl'] != base_name:
+                ops = ''
+                if r['operations'] is not None:
+                    ops_ratio = r['operations'] / max(base[0]['operations'], 1)
+                    r['operations_ratio_vs_' + base_name] = ops_ratio
+                    ops = f'; operations {ops_ratio:.2f}x ({r["operations"]} / ' \
+                          f'{base[0]["operations"]})'
+                if device.type == 'meta':
+                    print(f'{r["target"]:28s} {r["impl"]:9s} {r["size"][0]}x{r["size"][1]}: '
+                          f'{ops[2:]}')
+                    continue
                 ratio = base[0]['latency_ms'] / r['latency_ms']
                 mem = r['peak_mem_mb'] / max(base[0]['peak_mem_mb'], 1e-9)
                 r['speedup_vs_' + base_name] = ratio
@@ -687,7 +729,7 @@ def main(argv=None):
                 print(f'{r["target"]:28s} {r["impl"]:9s} {r["size"][0]}x{r["size"][1]}: '
                       f'{ratio:.2f}x  ({base[0]["latency_ms"]:.1f} / {r["latency_ms"]:.1f} ms); '
                       f'memory {mem:.2f}x ({r["peak_mem_mb"]:.0f} / '
-                      f'{base[0]["peak_mem_mb"]:.0f} MB)')
+                      f'{base[0]["peak_mem_mb"]:.0f} MB){ops}')
 
     # scaling summary
     by = {}
@@ -788,7 +830,7 @@ def run_core(args, device):
         meas = measure_interleaved(variants, device, args.warmup, args.repeats, None)
         first = meas[impls[0]][2]
         for impl in impls:
-            med, times, out, peak, how = meas[impl]
+            med, times, out, peak, how, _ = meas[impl]
             gbs = nbytes / med / 1e9
             r = dict(target=f'{args.attn}-core-h{h}-d{d}', impl=impl, size=[H, W], pixels=N,
                      batch=B,

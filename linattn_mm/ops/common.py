@@ -1,9 +1,11 @@
 """Pieces shared by the torch kernels of :mod:`linattn_mm.ops`."""
+import contextlib
+
 import numpy as np
 import torch
 
 __all__ = ['grad_needed', 'sign_split', 'linear_into', 'chunked_layer_setup', 'MIN_CHUNK_ROWS',
-           'numpy_log2_', 'NUMPY_LOG2_MAX_THREADS', 'core_dtype', 'no_autocast',
+           'numpy_log2_', 'NUMPY_LOG2_MAX_THREADS', 'core_dtype', 'no_autocast', 'autocast_on',
            'token_chunk_rows', 'TOKEN_CHUNK_ELEMENTS', 'TOKEN_MIN_ROWS', 'add_or_take',
            'token_gram', 'token_gram_parts', 'TOKENS_PER_GRAM_PART', 'in_dtype_of',
            'kept_input']
@@ -25,8 +27,16 @@ def core_dtype(*tensors):
     return work
 
 
+def autocast_on(device):
+    """Whether autocast is on for ``device`` (False on a device without autocast, ``meta``)."""
+    return torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
+
+
 def no_autocast(device):
-    """A context with autocast off on ``device`` (the cores run in their own dtype)."""
+    """A context with autocast off on ``device`` (the cores run in their own dtype); nothing to
+    turn off on a device without autocast (``meta``: shapes and operation counts only)."""
+    if not torch.amp.is_autocast_available(device.type):
+        return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, enabled=False)
 
 

@@ -114,3 +114,24 @@ def test_set_impl_switches_the_ffn_with_the_mixers():
         assert all(('forward' in m.__dict__) == (impl == 'official') for m in mixers)
         assert all(m.core == core for m in mixers), (impl, ffn)
         assert [type(m) for m in embeds] == [PatchEmbedCPU if impl == 'fast' else PatchEmbed] * 4
+
+
+def test_train_mode_counts_operations_on_cpu_and_meta(tmp_path, capsys):
+    """``--count-ops``: the operations of one more training step next to its time and memory;
+    ``--device meta``: the operations only, of the paths taken off CPU, with ratios against the
+    baseline; other dtypes than float32 are refused there (meta tensors have no autocast)."""
+    cpu, meta = tmp_path / 'cpu.json', tmp_path / 'meta.json'
+    TOOL['main'](['--mode', 'train', 'pola-swin-t', 'swin-t', '--sizes', '64x96', '--warmup',
+                  '0', '--repeats', '1', '--count-ops', '--json', str(cpu)])
+    rows = {r['target']: r for r in load(cpu)['results']}
+    assert all(r['operations'] > 100 and r['latency_ms'] > 0 for r in rows.values())
+    capsys.readouterr()
+    TOOL['main'](['--mode', 'train', 'pola-swin-t', 'swin-t', '--sizes', '800x1344', '--device',
+                  'meta', '--warmup', '0', '--repeats', '1', '--compare', 'swin-t', '--json',
+                  str(meta)])
+    text = capsys.readouterr().out
+    got = {r['target']: r['operations'] for r in load(meta)['results']}
+    assert got['pola-swin-t'] > 1000 and got['swin-t'] > 1000
+    assert f'operations {got["pola-swin-t"] / got["swin-t"]:.2f}x' in text
+    with pytest.raises(SystemExit, match='float32 training steps only'):
+        TOOL['main'](['--mode', 'train', 'swin-t', '--device', 'meta', '--dtype', 'bf16'])

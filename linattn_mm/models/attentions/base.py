@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from mmengine.model import BaseModule
 
+from linattn_mm.ops.common import autocast_on
 from linattn_mm.registry import ATTENTIONS
 
 
@@ -80,7 +81,7 @@ def run_in_fp32(fn, x, *args, enabled=True, **kwargs):
     autocast disabled and ``x`` cast to float32 (the result then stays float32: the residual stream
     of the skeletons is float32 under autocast). Mixers whose products or sums over tokens can
     leave the float16 range use this for their core."""
-    if enabled and torch.is_autocast_enabled(x.device.type):
+    if enabled and autocast_on(x.device):
         with torch.autocast(x.device.type, enabled=False):
             return fn(x.float(), *args, **kwargs)
     return fn(x, *args, **kwargs)

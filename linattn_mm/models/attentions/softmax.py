@@ -86,7 +86,10 @@ def window_layout(H, W, ws, shift, device):
     and split into ws x ws windows. Returns ``(idx, holes, inv, inv_holes)``: ``idx`` (Hp*Wp, )
     the token of every window position (window by window, -1 on the padding), ``holes`` the
     padding's positions, ``inv`` (H*W, ) the window position of every token, ``inv_holes`` empty
-    (for :class:`~linattn_mm.ops.lean_layers.GatherTokens`, both ways)."""
+    (for :class:`~linattn_mm.ops.lean_layers.GatherTokens`, both ways). On the ``meta`` device
+    (shapes only) the layout is made on CPU and moved."""
+    if torch.device(device).type == 'meta':
+        return tuple(t.to(device) for t in window_layout(H, W, ws, shift, 'cpu'))
     Hp, Wp = H + (-H) % ws, W + (-W) % ws
     ys = (torch.arange(Hp, device=device) + shift) % Hp
     xs = (torch.arange(Wp, device=device) + shift) % Wp
