@@ -120,8 +120,9 @@ class DepthwiseConvTokens(torch.autograd.Function):
 
     The forward runs over bands of image rows (:func:`conv_band_rows`): each band of ``v`` is
     copied with its halo into one small zero-padded channels-last buffer and convolved there, so
-    on CPU no full-size copy of the map is made (off CPU there is one band: one temporary padded
-    copy of the map); ``v`` (a view of the projection output, kept anyway) is all that is kept. The
+    on CPU no full-size copy of the map is made (off CPU, one band: one padded conv of the
+    channels-last view of the map, cast to the weight's dtype); ``v`` (a view of the projection
+    output, kept anyway) is all that is kept. The
     backward (:func:`conv_backward_form`, or ``backward_form``) is either ``'bands'``, over the
     same bands: ``dv`` as the conv of the gradient's bands with the flipped kernel and the weight
     gradient as a forward conv of each band of ``v`` with the gradient band as its kernel, the
@@ -149,18 +150,20 @@ class DepthwiseConvTokens(torch.autograd.Function):
         p = k // 2
         step = conv_band_rows(B, H, W, C, p, v.device, rows)
         src = v.view(B, H, W, C) if v.is_contiguous() else v.reshape(B, H, W, C)
-        bands = _Bands(src, step, p, weight.dtype)
-        out = None
-        for r0 in range(0, H, step):
-            r1 = min(H, r0 + step)
-            o = F.conv2d(bands.fill(src, r0, r1), weight, bias, groups=C)  # (B, C, R, W)
-            if out is None:
-                out = o.new_empty(B, H, W, C)
-            out[:, r0:r1] = o.permute(0, 2, 3, 1)
+        if step >= H:  # one band: the conv pads (a channels-last map in, one out)
+            out = F.conv2d(src.permute(0, 3, 1, 2).to(weight.dtype), weight, bias, padding=p,
+                           groups=C).permute(0, 2, 3, 1)
+        else:
+            bands = _Bands(src, step, p, weight.dtype)
+            out = src.new_empty(B, H, W, C, dtype=weight.dtype)
+            for r0 in range(0, H, step):
+                r1 = min(H, r0 + step)
+                o = F.conv2d(bands.fill(src, r0, r1), weight, bias, groups=C)  # (B, C, R, W)
+                out[:, r0:r1] = o.permute(0, 2, 3, 1)
         ctx.hw_shape, ctx.rows, ctx.has_bias = (H, W), step, bias is not None
         ctx.form = conv_backward_form(v.device, backward_form)
         ctx.save_for_backward(v, weight)
-        return out.view(B, N, C)
+        return out.reshape(B, N, C)
 
     @staticmethod
     def backward(ctx, grad):
@@ -300,8 +303,12 @@ class SplitLinear(torch.autograd.Function):
     """``linear(x, weight, bias)`` split into ``parts`` equal chunks of the last dim (views of
     one output). The backward adds ``grad_i @ W_i`` over the parts that got a gradient and writes
     each part's weight and bias gradient into its rows. On CPU both run over chunks of tokens
-    (:func:`~linattn_mm.ops.common.token_chunk_rows`): a chunk's GEMMs work in cache (about 15 % faster than over the whole map
-    at the widths of a Swin-T stage 1)."""
+    (:func:`~linattn_mm.ops.common.token_chunk_rows`): a chunk's GEMMs work in cache (about 15 %
+    faster than over the whole map at the widths of a Swin-T stage 1), and no (N, parts * C)
+    gradient map is made. In one chunk (CUDA, autocast) with every part's gradient given, the
+    gradients are joined into that map and the backward is one GEMM for the input, one product
+    over the tokens for the weight and one sum for the bias, as plain autograd's: 5 operations
+    where the parts took 8 each (``docs/benchmarks.md``, "Operations per training step")."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, parts, rows=None):
@@ -325,7 +332,7 @@ class SplitLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         need = ctx.needs_input_grad
         C_in = x.shape[-1]
-        live = [(i, g.reshape(-1, g.shape[-1])) for i, g in enumerate(grads) if g is not None]
+        live = [(i, g) for i, g in enumerate(grads) if g is not None]
         if not live:
             return None, None, None, None, None
         dt = live[0][1].dtype
@@ -335,10 +342,17 @@ class SplitLinear(torch.autograd.Function):
         T = x2.shape[0]
         want_w = need[1]
         want_b = ctx.has_bias and need[2]
+        step = ctx.rows
+        if step >= T and len(live) == ctx.parts:  # one chunk: the joined gradient map
+            g = torch.cat([g for _, g in live], dim=-1).view(T, -1)  # as plain autograd's
+            dx = torch.mm(g, w).view(x.shape).to(x.dtype) if need[0] else None
+            dw = token_gram(g, x2.to(dt)) if want_w else None
+            db = g.sum(0) if want_b else None
+            return dx, _to(dw, weight), _to(db, weight), None, None
         dx = torch.empty(T, C_in, dtype=dt, device=x.device) if need[0] else None
         dw = torch.zeros_like(weight, dtype=dt) if want_w else None
         db = torch.zeros(weight.shape[0], dtype=dt, device=weight.device) if want_b else None
-        step = ctx.rows
+        live = [(i, g.reshape(T, -1)) for i, g in live]
         for r0 in range(0, T, step):
             x_c = x2[r0:r0 + step].to(dt) if want_w else None
             first = True

@@ -361,6 +361,24 @@ def test_lean_mixer_keeps_the_projection_and_a_few_token_maps(cfg):
 
 
 @pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('offset', [0, 1])
+def test_rope_as_complex_products_equals_the_reference(dtype, offset):
+    """The softmax stages' RoPE as complex products of the channel pairs (the pairs share their
+    angle): equal to the reference rotation bit for bit on CPU, gradient included, on a head view
+    of a projection and on one whose pairs are not aligned in memory (``offset`` 1: copied
+    first)."""
+    from linattn_mm.ops.nala import apply_rope, rotate_pairs
+    g = torch.Generator().manual_seed(3)
+    proj = torch.randn(2, 15 * 20, 3 * 64 + offset, generator=g, dtype=dtype)
+    x = proj[..., offset + 64:offset + 128].unflatten(-1, (2, 32)).transpose(1, 2)  # (B, h, N, d)
+    sin, cos = (t.to(dtype) for t in RoPE2d(32)((15, 20)))
+    w = torch.randn(2, 2, 300, 32, generator=g, dtype=dtype)
+    want, (want_g, ) = grads_of(lambda t: apply_rope(t, sin, cos), [x.requires_grad_()], w)
+    got, (got_g, ) = grads_of(lambda t: rotate_pairs(t, sin, cos), [x], w)
+    assert torch.equal(got, want) and torch.equal(got_g, want_g)
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
 @pytest.mark.parametrize('bias', [True, False])
 @pytest.mark.parametrize('parts,used', [(4, (0, 1, 2, 3)), (2, (0, 1)), (4, (0, 2, 3)), (3, (1, ))])
 def test_split_linear(dtype, bias, parts, used):
@@ -520,7 +538,9 @@ def test_training_forms_with_token_sums_in_parts(monkeypatch, dtype):
     nala = len(split) - pola
     test_small_lean_layers(dtype, True)
     test_split_linear(dtype, True, 4, (0, 2, 3))
-    assert pola >= 8 and nala >= 4 and len(split) - pola - nala >= 6
+    test_split_linear(dtype, True, 4, (0, 1, 2, 3))  # the joined gradient map in one chunk
+    # Pola, per call: the forward's product of [k+ | k-] with v, the backward's of [q+ | q-]
+    assert pola >= 4 and nala >= 4 and len(split) - pola - nala >= 8
 
 
 @pytest.mark.parametrize('name', ['pola-swin', 'pola-pvt la_sr 2', 'nalaformer released'])

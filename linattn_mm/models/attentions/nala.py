@@ -65,11 +65,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from linattn_mm.ops.common import core_dtype, no_autocast
+from linattn_mm.ops.common import autocast_on, core_dtype, no_autocast
 from linattn_mm.ops.dispatch import check_core
 from linattn_mm.ops.lean_layers import NormGatedLinear, depthwise_conv_tokens, split_linear
 from linattn_mm.ops.nala import (KERNELS, apply_rope, nala_attention, nala_feature_maps,
-                                 nala_weights_reference)
+                                 nala_weights_reference, rotate_pairs)
 from linattn_mm.registry import ATTENTIONS
 from .base import BaseTokenMixer
 
@@ -209,7 +209,7 @@ class NaLaMixerBase(BaseTokenMixer):
             s = s + lepe
         ln = self.ln
         if self.core != 'reference' and type(self.act) is nn.SiLU:
-            if not torch.is_autocast_enabled(s.device.type):
+            if not autocast_on(s.device):
                 s, g = s.to(self.out_proj.weight.dtype), g.to(self.out_proj.weight.dtype)
             return self.proj_drop(NormGatedLinear.apply(
                 s, ln.weight.to(s.dtype), ln.bias.to(s.dtype), ln.eps, g, self.out_proj.weight,
@@ -217,7 +217,7 @@ class NaLaMixerBase(BaseTokenMixer):
         with no_autocast(s.device):
             y = F.layer_norm(s, (h * d, ), ln.weight.to(s.dtype), ln.bias.to(s.dtype), ln.eps)
             y = y * self.act(g.to(y.dtype))
-        if not torch.is_autocast_enabled(y.device.type):
+        if not autocast_on(y.device):
             y = y.to(self.out_proj.weight.dtype)
         return self.proj_drop(self.out_proj(y))
 
@@ -369,11 +369,14 @@ class NaLaSoftmaxAttention(NaLaMixerBase):
                            use_lepe)
 
     def _rotate(self, q, k, hw_shape, rope):
-        """q and k rotated by the 2-D RoPE (unchanged without it)."""
+        """q and k rotated by the 2-D RoPE (unchanged without it): the reference formula, or
+        (``core='fast'``) the same rotation as complex products of the channel pairs
+        (:func:`~linattn_mm.ops.nala.fast.rotate_pairs`, fewer operations under autograd)."""
         sin, cos = self._rope(hw_shape, rope, q.dtype, q.device)
         if sin is None:
             return q, k
-        return apply_rope(q, sin, cos), apply_rope(k, sin, cos)
+        rotate = apply_rope if self.core == 'reference' else rotate_pairs
+        return rotate(q, sin, cos), rotate(k, sin, cos)
 
     has_attention_weights = True
 

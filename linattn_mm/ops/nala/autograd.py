@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from ..common import core_dtype, kept_input, token_gram
+from ..common import core_dtype, kept_input, sign_split, token_gram
 from ..common import in_dtype_of as _to
 from .fast import _query_terms, _key_power, _rot_rows, _with_rope, key_matrix, nala_forward
 from .reference import nala_attention_reference
@@ -90,7 +90,8 @@ class NormAwareAttention(torch.autograd.Function):
         lam, rope = ctx.power, sin is not None
         N = k.shape[-2]
         qn, p, rel, c = _query_terms(q, lam, ctx.query_power)
-        fq = torch.cat([c.clamp_min(0), (-c).clamp_min(0)], dim=-1)
+        fq = sign_split(c)
+        del c
         den = (fq @ k_mean.unsqueeze(-1)).add_(ctx.eps)  # (B, h, N, 1)
         Fq = _with_rope(fq, sin, cos) if rope else fq
         num = Fq @ w
@@ -103,10 +104,15 @@ class NormAwareAttention(torch.autograd.Function):
         del dFq
         dfq += dden * k_mean.unsqueeze(-2)
         dk_mean = (dden * fq).sum(-2)  # (B, h, 2d)
-        del fq, dden
+        del dden
+        # G = dc c = dfq+ relu(c) + dfq- relu(-c): the two halves of dfq fq, exactly
+        d = q.shape[-1]
+        G = dfq.mul_(fq)
+        G = torch.add(G[..., :d], G[..., d:])
+        del fq, dfq
         # keys
         ck = _key_power(k, lam)
-        fk = torch.cat([ck.clamp_min(0), (-ck).clamp_min(0)], dim=-1)
+        fk = sign_split(ck)
         if rope:
             D = dW.shape[-2] // 2
             dM = dW[..., :D, :] + _rot_rows(dW[..., D:, :])
@@ -120,20 +126,23 @@ class NormAwareAttention(torch.autograd.Function):
         del Fk, fk
         dfk = _rope_grad(dFk, sin, cos) if rope else dFk
         dfk += (dk_mean / N).unsqueeze(-2)
-        dck = _split_grad(dfk, ck)
+        if lam > 1:  # d(k^lam)/dk = 0 at k = 0: the branch taken there does not matter
+            dck = torch.where(ck > 0, dfk[..., :d], dfk[..., d:].neg())
+        else:
+            dck = _split_grad(dfk, ck)
         del dfk, dFk
-        dk = dck * (3 * k * k if lam == 3 else lam * k.abs().pow(lam - 1))
+        dk = dck.mul_(3 * k * k if lam == 3 else lam * k.abs().pow(lam - 1))
         # queries: c = sign(q) 2^(p rel), rel = log2|q| - log2||q||
-        G = _split_grad(dfq, c).mul_(c)
-        del dfq
-        nonzero = q != 0
-        dq = torch.where(nonzero, G * p / q, 0.)
-        dqn = -p * G.sum(-1, keepdim=True) / qn
+        zero = q == 0  # G = 0 there: 0 / 0 and 0 * log2(0) are set to 0
+        dq = (G * p).div_(q).masked_fill_(zero, 0.)
+        dqn = G.sum(-1, keepdim=True).mul_(p).div_(qn).neg_()  # (B, h, N, 1)
         if ctx.query_power is None:  # the norm-aware power: p depends on ||q||
-            dp = torch.where(nonzero, G * rel, 0.).sum(-1, keepdim=True).mul_(_LN2)
+            dp = G.mul_(rel).masked_fill_(zero, 0.).sum(-1, keepdim=True).mul_(_LN2)
             tanh = (p / lam - 0.5)
             dqn += dp * lam * (1 - tanh * tanh)
-        dq += torch.where(qn > 0, dqn * q / qn, 0.)
+        del G
+        # the norm's term, per token (0 for a zero query)
+        dq.addcmul_(dqn.div_(qn).masked_fill_(qn == 0, 0.), q)
         return (_to(dq, q0), _to(dk, k0), dv.to(ctx.v_dtype), None, None, None, None, None,
                 None)
 

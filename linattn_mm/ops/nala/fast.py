@@ -29,7 +29,45 @@ import torch
 
 from ..common import numpy_log2_, sign_split, token_gram
 
-__all__ = ['nala_forward', 'key_matrix']
+__all__ = ['nala_forward', 'key_matrix', 'rope_turn', 'rotate_pairs', 'RotatePairs']
+
+
+def rope_turn(sin, cos):
+    """The RoPE angles as unit complex numbers ``cos + i sin``, one per channel pair: (N, d / 2)
+    from the (N, d) tables, whose pairs share their angle (RoPE2d repeats each angle twice)."""
+    return torch.complex(cos[..., ::2], sin[..., ::2])
+
+
+def _turn_pairs(x, turn):
+    """The channel pairs of ``x`` (..., d) as complex numbers times ``turn`` (..., d / 2)."""
+    if x.stride(-1) != 1 or x.storage_offset() % 2 or any(s % 2 for s in x.stride()[:-1]):
+        x = x.contiguous()  # pairs must be complex numbers in memory
+    return torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * turn).flatten(-2)
+
+
+class RotatePairs(torch.autograd.Function):
+    """``x * cos + rotate_every_two(x) * sin`` (:func:`~linattn_mm.ops.nala.reference.apply_rope`)
+    of ``x`` (..., N, d) as the complex product of each channel pair ``x0 + i x1`` with
+    :func:`rope_turn`: ``(x0 cos - x1 sin, x1 cos + x0 sin)``, the reference's products and sums
+    (equal to it bit for bit on CPU); the backward turns the gradient back by the conjugate. It
+    keeps ``sin`` and ``cos`` (the stage's shared tables), not the complex table, and is two
+    operations each way, where the reference's rotate-half takes five forward and nine backward
+    (the softmax stages' training form)."""
+
+    @staticmethod
+    def forward(ctx, x, sin, cos):
+        ctx.save_for_backward(sin, cos)
+        return _turn_pairs(x, rope_turn(sin, cos))
+
+    @staticmethod
+    def backward(ctx, grad):
+        sin, cos = ctx.saved_tensors
+        return _turn_pairs(grad, rope_turn(sin, cos).conj()), None, None
+
+
+def rotate_pairs(x, sin, cos):
+    """The RoPE rotation of ``x`` through :class:`RotatePairs`."""
+    return RotatePairs.apply(x, sin, cos)
 
 
 def _rot_rows(m):

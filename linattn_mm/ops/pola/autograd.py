@@ -24,9 +24,9 @@ import math
 
 import torch
 
-from ..common import numpy_log2_, token_gram
+from ..common import numpy_log2_, sign_split, token_gram
 from ..common import in_dtype_of as _to
-from .fast import chunk_rows, heads_buffer, polarity_forward, query_side, token_slice
+from .fast import _scaled_into, chunk_rows, heads_buffer, polarity_forward, token_slice
 
 __all__ = ['PolarityAttention', 'polarity_attention_fast']
 
@@ -35,28 +35,27 @@ _LN2 = math.log(2.)
 
 class _PowerTerms:
     """``y = (x + bias) * inv_scale``, ``log2|y|`` and ``a = |y|^p`` of q or k, computed once in
-    the backward for both the features (``x+ = a [y > 0]``, ``x- = a [y < 0]``) and their
-    gradients (no autograd graph)."""
+    the backward for both the features ``[x+ | x-]`` (one (.., L, 2d) buffer: ``x+ = a [y > 0]``,
+    ``x- = a [y < 0]``) and their gradients (no autograd graph)."""
 
     def __init__(self, x, p, inv_scale, bias):
         self.x, self.p, self.inv_scale, self.bias = x, p, inv_scale, bias
-        y = x if bias is None else x + bias
-        self.y = y * inv_scale if inv_scale is not None else y.clone()
+        shape = torch.broadcast_shapes(x.shape, p.shape)
+        # contiguous (B, h, L, d), whatever the strides of x: the products over the tokens of
+        # the features then need no copy
+        self.y = _scaled_into(x, inv_scale, bias, x.new_empty(shape))
         self.log2 = numpy_log2_(self.y.abs())
-        a = torch.exp2(self.log2 * p).copysign_(self.y)  # signed |y|^p
-        self.pos = a.clamp_min(0)
-        self.neg = a.neg_().add_(self.pos)  # relu(c) - c == relu(-c), exactly
+        a = torch.mul(self.log2, p).exp2_().copysign_(self.y)  # signed |y|^p
+        self.f = sign_split(a)  # [relu(a) | relu(-a)], exactly
 
-    def features(self):
-        """``(x+, x-)``."""
-        return self.pos, self.neg
-
-    def backward(self, dpos, dneg, out=None):
-        """From the gradients of ``x+``, ``x-`` to those of ``x`` (written into ``out`` if given;
-        also the bias's: the same tensor, summed by the caller), of ``inv_scale`` and of ``p``
-        (the latter two still to be summed to the parameters' shapes; ``p``'s also to be
+    def backward(self, df, out=None):
+        """From the gradient of ``[x+ | x-]`` (.., L, 2d) to those of ``x`` (written into ``out``
+        if given; also the bias's: the same tensor, summed by the caller), of ``inv_scale`` and
+        of ``p`` (the latter two still to be summed to the parameters' shapes; ``p``'s also to be
         multiplied by ln 2)."""
-        g = torch.addcmul(dpos * self.pos, dneg, self.neg)  # G = da * a (x+, x- hold a)
+        d = self.y.shape[-1]
+        gf = df.mul_(self.f)
+        g = torch.add(gf[..., :d], gf[..., d:])  # G = da * a (x+, x- hold a)
         zero = self.y == 0  # G = 0 there; 0 / 0 and 0 * log2(0) are set to 0
         dy = (g * self.p).div_(self.y).masked_fill_(zero, 0.)
         dp = g.mul_(self.log2).masked_fill_(zero, 0.)  # times ln 2 once summed
@@ -70,21 +69,47 @@ class _PowerTerms:
         return dx, d_inv, dp
 
 
-def _key_matrix_grads(dw_pos, dw_neg, d, n):
-    """The gradients of ``k+^T v``, ``k-^T v`` (.., d, d) and of the key sums (.., d) from those of
-    the query-side matrices ``W+``, ``W-`` (see the module docstring for their columns)."""
+def _output_grad(r, grad, eps):
+    """``dR = [dnum | dden]`` (.., L, d + 2) of the query-side result ``r = [num | den]`` (its
+    denominators get ``eps`` added in place) from the output's gradient ``grad`` (.., L, d):
+    ``dnum = g / D`` per stream, ``dden_t = -sum_{c in stream t} g_c num_c / D_t^2``."""
+    d = grad.shape[-1]
     d_s = (d + 1) // 2
-    dkvp = torch.cat([dw_pos[..., :d_s], dw_neg[..., d_s:d]], dim=-1) / n
-    dkvn = torch.cat([dw_neg[..., :d_s], dw_pos[..., d_s:d]], dim=-1) / n
-    dksp = (dw_pos[..., d] + dw_neg[..., d + 1]) / n
-    dksn = (dw_pos[..., d + 1] + dw_neg[..., d]) / n
-    return dkvp, dkvn, dksp, dksn
+    num, den = r[..., :d], r[..., d:].add_(eps)
+    dr = torch.empty_like(r)
+    dnum, dden = dr[..., :d], dr[..., d:]
+    if 2 * d_s == d:  # even d: the two streams as one (.., 2, d / 2) view
+        torch.div(grad.unflatten(-1, (2, d_s)), den.unsqueeze(-1),
+                  out=dnum.unflatten(-1, (2, d_s)))
+        torch.sum((dnum * num).unflatten(-1, (2, d_s)), -1, out=dden)
+    else:
+        for t, c in enumerate((slice(0, d_s), slice(d_s, d))):
+            torch.div(grad[..., c], den[..., t:t + 1], out=dnum[..., c])
+            torch.sum(dnum[..., c] * num[..., c], -1, keepdim=True, out=dden[..., t:t + 1])
+    dden.div_(den).neg_()
+    return dr
+
+
+def _key_side_grads(dw, d, n):
+    """From the gradient of ``W = [W+; W-]`` (.., 2d, d + 2) (the query-side matrices stacked;
+    see the module docstring for their columns) to those of the key side: ``K = [d(k+^T v);
+    d(k-^T v)]`` (.., 2d, d) and the key sums' ``S = [d sum k+, d sum k-]`` (.., 1, 2d). Row j of
+    ``W+`` and row j of ``W-`` meet the same key feature's two streams, so the rows of W rolled
+    by d (``[W-; W+]``) give the other halves."""
+    d_s = (d + 1) // 2
+    dw = dw / n
+    rolled = dw.roll(d, -2)
+    dkv = torch.cat([dw[..., :d_s], rolled[..., d_s:d]], dim=-1)
+    dks = torch.add(dw[..., d], rolled[..., d + 1]).unsqueeze(-2)
+    return dkv, dks
 
 
 def _add_sum(acc, t, shape):
     """``acc + t.sum_to_size(shape)`` (``acc`` None at first)."""
     s = t.sum_to_size(shape)
-    return s.clone() if acc is None else acc.add_(s)
+    if acc is None:
+        return s.clone() if s is t else s
+    return acc.add_(s)
 
 
 class PolarityAttention(torch.autograd.Function):
@@ -104,18 +129,17 @@ class PolarityAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, p, eps, inv_scale, k_bias, rows):
-        out, w_pos, w_neg = polarity_forward(q, k, v, p, eps, inv_scale, k_bias, rows)
+        out, w = polarity_forward(q, k, v, p, eps, inv_scale, k_bias, rows)
         ctx.eps, ctx.rows = eps, rows
-        ctx.save_for_backward(q, k, v, p, inv_scale, k_bias, w_pos, w_neg)
+        ctx.save_for_backward(q, k, v, p, inv_scale, k_bias, w)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, p, inv_scale, k_bias, w_pos, w_neg = ctx.saved_tensors
+        q, k, v, p, inv_scale, k_bias, w = ctx.saved_tensors
         need = ctx.needs_input_grad
         N, n, d = q.shape[-2], k.shape[-2], q.shape[-1]
-        d_s = (d + 1) // 2
-        work = w_pos.dtype
+        work = w.dtype
         acc = dict(p=None, inv=None)
         want_p = need[3]
         want_inv = inv_scale is not None and need[5]
@@ -126,34 +150,23 @@ class PolarityAttention(torch.autograd.Function):
             if want_inv:
                 acc['inv'] = _add_sum(acc['inv'], d_inv, inv_scale.shape)
 
-        # queries, chunk by chunk: recompute q+, q- and r, then the output's gradient through
-        # the division; accumulate the gradients of W+ and W-
+        # queries, chunk by chunk: recompute [q+ | q-] and r, then the output's gradient
+        # through the division; accumulate the gradient of W = [W+; W-] (B, h, 2d, d + 2)
         rows = chunk_rows(q, ctx.rows)
         dq = heads_buffer(q, N, work) if need[0] else None
-        dw_pos = torch.zeros_like(w_pos)
-        dw_neg = torch.zeros_like(w_neg)
+        dw = None
         for i in range(0, N, rows):
             sl = slice(i, min(i + rows, N))
             terms = _PowerTerms(q[:, :, sl].to(work), p, inv_scale, None)
-            qp, qn = terms.features()
-            r = query_side(qp, qn, w_pos, w_neg)
-            den = r[..., d:].add_(ctx.eps)  # (B, h, L, 2)
-            g = grad[:, :, sl].to(work)
-            dnum = torch.cat([g[..., :d_s] / den[..., :1], g[..., d_s:] / den[..., 1:]], dim=-1)
-            prod = dnum * r[..., :d]  # g out / D
-            dden = torch.stack([prod[..., :d_s].sum(-1), prod[..., d_s:].sum(-1)], dim=-1)
-            dr = torch.cat([dnum, dden.div_(den).neg_()], dim=-1)  # (B, h, L, d + 2)
-            del r, den, g, dnum, prod, dden
-            token_gram(qp, dr, acc=dw_pos)
-            token_gram(qn, dr, acc=dw_neg)
-            dqp, dqn = dr @ w_pos.transpose(-2, -1), dr @ w_neg.transpose(-2, -1)
-            del qp, qn, dr
-            _, d_inv, dp = terms.backward(dqp, dqn, None if dq is None else dq[:, :, sl])
+            dr = _output_grad(terms.f @ w, grad[:, :, sl].to(work), ctx.eps)
+            dw = token_gram(terms.f, dr, acc=dw)
+            df = dr @ w.transpose(-2, -1)
+            del dr
+            _, d_inv, dp = terms.backward(df, None if dq is None else dq[:, :, sl])
             accumulate(d_inv, dp)
         # keys, chunk by chunk: k+^T v, k-^T v and the key sums
-        dkvp, dkvn, dksp, dksn = _key_matrix_grads(dw_pos, dw_neg, d, n)
-        del dw_pos, dw_neg
-        dksp, dksn = dksp.unsqueeze(-2), dksn.unsqueeze(-2)
+        dkv, dks = _key_side_grads(dw, d, n)
+        del dw
         rows = chunk_rows(k, ctx.rows)
         dk = heads_buffer(k, n, work) if need[1] or need[6] else None
         dv = heads_buffer(v, n, work) if need[2] else None
@@ -161,14 +174,10 @@ class PolarityAttention(torch.autograd.Function):
             sl = slice(i, min(i + rows, n))
             terms = _PowerTerms(k[:, :, sl].to(work), p, inv_scale,
                                 token_slice(k_bias, sl, n, work))
-            kp, kn = terms.features()
             if dv is not None:
-                dv[:, :, sl] = torch.matmul(kp, dkvp).add_(kn @ dkvn)
-            vv = v[:, :, sl].to(work)
-            dkp = (vv @ dkvp.transpose(-2, -1)).add_(dksp)
-            dkn = (vv @ dkvn.transpose(-2, -1)).add_(dksn)
-            del kp, kn, vv
-            _, d_inv, dp = terms.backward(dkp, dkn, None if dk is None else dk[:, :, sl])
+                dv[:, :, sl] = terms.f @ dkv
+            df = (v[:, :, sl].to(work) @ dkv.transpose(-2, -1)).add_(dks)
+            _, d_inv, dp = terms.backward(df, None if dk is None else dk[:, :, sl])
             accumulate(d_inv, dp)
         grads_p = acc['p'].mul_(_LN2) if want_p else None
         d_bias = None

@@ -32,11 +32,10 @@ float64, gradients included).
 """
 import torch
 
-from ..common import (MIN_CHUNK_ROWS, core_dtype, numpy_log2_, sign_split, token_gram,
-                      token_gram_parts)
+from ..common import MIN_CHUNK_ROWS, core_dtype, numpy_log2_, sign_split, token_gram
 
-__all__ = ['polarity_features', 'polarity_forward', 'query_side', 'chunk_rows', 'heads_buffer',
-           'token_slice', 'TRAIN_CHUNK_ELEMENTS']
+__all__ = ['polarity_features', 'polarity_forward', 'joined_query_weights', 'chunk_rows',
+           'heads_buffer', 'token_slice', 'TRAIN_CHUNK_ELEMENTS']
 
 
 def polarity_features(x, p, inv_scale=None, bias=None):
@@ -114,16 +113,17 @@ def _normalise_into(r, eps, out):
     return out
 
 
-def query_side(qp, qn, w_pos, w_neg):
-    """``r = q+ @ W+ + q- @ W-`` (.., N, d + 2): the numerators of both streams and their two
-    denominators, accumulated in place through ``out=`` (FlopCounterMode does not count
-    ``baddbmm_``, and the out-of-place form would copy r)."""
-    lead, N, d = qp.shape[:-2], qp.shape[-2], qp.shape[-1]
-    w_pos = w_pos.expand(*lead, d, d + 2).reshape(-1, d, d + 2)
-    w_neg = w_neg.expand(*lead, d, d + 2).reshape(-1, d, d + 2)
-    r = torch.bmm(qp.reshape(-1, N, d), w_pos)
-    torch.baddbmm(r, qn.reshape(-1, N, d), w_neg, out=r)
-    return r.view(*lead, N, d + 2)
+def joined_query_weights(kv, ks, n):
+    """``W = [W+; W-]`` (.., 2d, d + 2), the matrices the query features ``[q+ | q-]`` meet in
+    one product (as :func:`_query_weights`), from ``kv = [k+^T v; k-^T v]`` (.., 2d, d) and the
+    key sums ``ks = [sum k+; sum k-]`` (.., 2d, 1): the rows of ``[kv | ks]`` rolled by d are
+    ``[k-^T v | sum k-; k+^T v | sum k+]``, the other stream's halves."""
+    d = kv.shape[-1]
+    d_s = (d + 1) // 2
+    kvs = torch.cat([kv, ks], dim=-1)
+    rolled = kvs.roll(d, -2)
+    return torch.cat([kvs[..., :d_s], rolled[..., d_s:d], kvs[..., d:], rolled[..., d:]],
+                     dim=-1).mul_(1.0 / n)
 
 
 #: elements of one (B, h, rows, d) chunk of the torch kernel and its training backward on CPU:
@@ -165,45 +165,37 @@ def token_slice(t, sl, n, dtype=None):
 
 def polarity_forward(q, k, v, p, eps, inv_scale, k_bias, rows=None):
     """The kernel's computation on (B, h, N, d) / (B, h, n, d) tensors, without an autograd graph,
-    over chunks of tokens (:func:`chunk_rows`): the key pass accumulates ``k±^T v`` and the key
-    sums, the query pass writes its chunk of the output; the positive and negative feature halves
-    stay separate buffers (no (N, 2d) concatenation is ever written) and the query-side GEMM is
-    ``q+ @ W+`` accumulated with ``q- @ W-``. It computes in the wider of the dtypes of ``p`` and
-    of :func:`~linattn_mm.ops.common.core_dtype` of q, k, v: q, k, v and ``k_bias`` may come in a
-    lower precision (half precision under autocast) and are cast chunk by chunk.
-    Returns the output (a (B, h, N, d) view of a (B, N, h, d) buffer) and ``W+``, ``W-``."""
+    over chunks of tokens (:func:`chunk_rows`): the key pass accumulates ``[k+; k-]^T v`` and the
+    key sums from the features ``[k+ | k-]`` (one (.., L, 2d) buffer), the query pass writes its
+    chunk of the output from one product ``[q+ | q-] @ W`` (``W = [W+; W-]``, see
+    :func:`joined_query_weights`) that gives both streams' numerators and denominators. It
+    computes in the wider of the dtypes of ``p`` and of :func:`~linattn_mm.ops.common.core_dtype`
+    of q, k, v: q, k, v and ``k_bias`` may come in a lower precision (half precision under
+    autocast) and are cast chunk by chunk. Returns the output (a (B, h, N, d) view of a
+    (B, N, h, d) buffer) and ``W`` (B, h, 2d, d + 2)."""
     B, h, N, d = q.shape
     n = k.shape[-2]
     d_s = (d + 1) // 2
     work = torch.promote_types(p.dtype, core_dtype(q, k, v))
-    kvp = kvn = ksp = ksn = None
+    kv = ks = None
     step = chunk_rows(k, rows)
     for i in range(0, n, step):
         sl = slice(i, min(i + step, n))
-        kp, kn = _pos_neg_nograd(k[:, :, sl].to(work), p, inv_scale,
-                                 token_slice(k_bias, sl, n, work))
-        v_c = v[:, :, sl].to(work)
-        if token_gram_parts(v_c, v_c.shape[-2]) > 1:  # one copy of a head view for both products
-            v_c = v_c.contiguous()
-        parts = (token_gram(kp, v_c), token_gram(kn, v_c),
-                 kp.sum(dim=-2).unsqueeze(-1), kn.sum(dim=-2).unsqueeze(-1))
-        if kvp is None:
-            kvp, kvn, ksp, ksn = parts
-        else:
-            for acc, part in zip((kvp, kvn, ksp, ksn), parts):
-                acc.add_(part)
-        del kp, kn, v_c
-    w_pos, w_neg = _query_weights(kvp, kvn, ksp, ksn, n)
-    out = heads_buffer(q, N, w_pos.dtype)
+        f = polarity_features(k[:, :, sl].to(work), p, inv_scale, token_slice(k_bias, sl, n, work))
+        kv = token_gram(f, v[:, :, sl].to(work), acc=kv)
+        s = f.sum(dim=-2).unsqueeze(-1)
+        ks = s if ks is None else ks.add_(s)
+        del f
+    w = joined_query_weights(kv, ks, n)
+    out = heads_buffer(q, N, w.dtype)
     step = chunk_rows(q, rows)
     for i in range(0, N, step):
         sl = slice(i, min(i + step, N))
-        qp, qn = _pos_neg_nograd(q[:, :, sl].to(work), p, inv_scale)
-        r = query_side(qp, qn, w_pos, w_neg)
+        r = polarity_features(q[:, :, sl].to(work), p, inv_scale) @ w
         if d_s * 2 != d:  # odd head dim: unequal halves
             num, den = r[..., :d], r[..., d:].add_(eps)
             out[:, :, sl] = torch.cat([num[..., :d_s] / den[..., :1],
                                        num[..., d_s:] / den[..., 1:]], dim=-1)
         else:
             _normalise_into(r, eps, out[:, :, sl])
-    return out, w_pos, w_neg
+    return out, w
