@@ -237,6 +237,9 @@ TABLE = {
     'python tools/benchmark.py --mode backbone pola-pvt-t pola-swin-t nalaformer-t-linear --sizes '
     '1024 2048 --threads 1 --warmup 1 --repeats 2 --heap-malloc --json scale_heap.json':
         Run('benchmark_scale_heap', '--sizes 64 96 --warmup 0 --repeats 1; --json -> tmp'),
+    'python tools/benchmark.py --mode train swin-t pola-swin-t nalaformer-t pvt-t pola-pvt-t '
+    '--sizes 800x1344 --device meta --warmup 0 --repeats 1 --compare swin-t pola-pvt-t:pvt-t':
+        Run('benchmark_operations', 'as written (meta tensors: counts only, a few seconds)'),
     'python tools/benchmark.py --mode train pola-swin-t swin-t nalaformer-t nalaformer-t-linear '
     'linattn-swin-t --sizes 800x1344 --batch 1 --threads 1 --warmup 1 --repeats 5 --compare swin-t '
     'pola-swin-t:linattn-swin-t':
@@ -723,6 +726,29 @@ def case_benchmark_scale_heap(sh, tmp_path):
     assert json.loads(js.read_text())['args']['heap_malloc'] is True
     for name in ('pola-pvt-t', 'pola-swin-t', 'nalaformer-t-linear'):
         assert re.search(rf'^{name}\s+fast\s+96x96/64x64: [\d.]+; slope', out, re.M), out[-3000:]
+
+
+def case_benchmark_operations(sh, tmp_path):
+    """The counts printed are those of the table in docs/benchmarks.md ("Operations per training
+    step"), the ratios too."""
+    cmd = ('python tools/benchmark.py --mode train swin-t pola-swin-t nalaformer-t pvt-t '
+           'pola-pvt-t --sizes 800x1344 --device meta --warmup 0 --repeats 1 --compare swin-t '
+           'pola-pvt-t:pvt-t')
+    out = sh(cmd, doc_argv(cmd))
+    with open(osp.join(REPO, 'docs', 'benchmarks.md'), encoding='utf-8') as f:
+        doc = f.read()
+    row = re.search(r'^\| \+ the softmax stages.*\(\*\*0\.6\.5\*\*\) \| (\d+) \| \*\*(\d+) '
+                    r'\(([\d.]+)×\)\*\* \| \*\*(\d+) \(([\d.]+)×\)\*\* \| (\d+) \| \*\*(\d+) '
+                    r'\(([\d.]+)×\)\*\* \|$', doc, re.M)
+    assert row, 'the 0.6.5 row of the operations table'
+    swin, pola, r_pola, nala, r_nala, pvt, pola_pvt, r_pvt = row.groups()
+    for name, n in (('swin-t', swin), ('pola-swin-t', pola), ('nalaformer-t', nala),
+                    ('pvt-t', pvt), ('pola-pvt-t', pola_pvt)):
+        assert re.search(rf'^{name}\s+\S+\s+800x1344\s+{n} ops$', out, re.M), (name, out[-3000:])
+    for name, n, base, r in (('pola-swin-t', pola, swin, r_pola),
+                             ('nalaformer-t', nala, swin, r_nala),
+                             ('pola-pvt-t', pola_pvt, pvt, r_pvt)):
+        assert f'800x1344: operations {r}x ({n} / {base})' in out, (name, out[-3000:])
 
 
 def case_benchmark_train_backbones(sh, tmp_path):
