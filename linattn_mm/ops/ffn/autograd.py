@@ -106,10 +106,11 @@ class FFNBranch(torch.autograd.Function):
         g2 = grad.reshape(-1, grad.shape[-1])
         dt = grad.dtype
         w1_, w2_ = w1.to(dt), w2.to(dt)
-        dx = torch.empty_like(x2) if need[0] else None
+        step = ctx.rows
+        # in one chunk the layer norm's input gradient is dx itself (no buffer, no copy)
+        dx = torch.empty_like(x2) if need[0] and step < T else None
         acc = dict.fromkeys(('w1', 'b1', 'w2', 'b2', 'lw', 'lb'))
         ln_mask = [need[0], ln_w is not None and need[1], ln_b is not None and need[2]]
-        step = ctx.rows
         for i in range(0, T, step):
             g_c = g2[i:i + step]
             h_c = h[i:i + step].to(dt)
@@ -133,6 +134,8 @@ class FFNBranch(torch.autograd.Function):
             dx_c, dlw, dlb = _layer_norm_backward(dn_c, x_c, mean, rstd, ln_w, ln_b, ln_mask)
             if dx is not None:
                 dx[i:i + step] = dx_c
+            elif need[0]:
+                dx = dx_c.to(x.dtype)
             if ln_mask[1]:
                 acc['lw'] = add_or_take(acc['lw'], dlw)
             if ln_mask[2]:
