@@ -534,6 +534,9 @@ def main(argv=None):
     if device.type == 'meta' and (args.mode != 'train' or args.dtype != 'fp32'):
         raise SystemExit('--device meta counts the operations of float32 training steps only '
                          '(--mode train, --dtype fp32: meta tensors have no autocast)')
+    if args.count_ops and args.mode == 'core':
+        raise SystemExit('--count-ops counts the operations of a model or layer step; '
+                         '--mode core does not take it')
     ac = {'fp32': None, 'bf16': torch.bfloat16, 'fp16': torch.float16}[args.dtype]
     torch.manual_seed(args.seed)
     mem_note = 'cuda max_memory_allocated' if device.type == 'cuda' else 'PeakMemoryCounter'
@@ -670,6 +673,9 @@ def main(argv=None):
                              max_abs_diff_vs_first_impl=diff,
                              max_abs_output=None if device.type == 'meta' else max_abs(out),
                              operations=ops)
+                    if device.type == 'meta':  # nothing computed: no time, no memory
+                        r.update(latency_ms=None, times_ms=[], img_per_s=None, peak_mem_mb=None,
+                                 peak_mem_method=None)
                     results.append(r)
                     extra = '' if diff is None else (f'  max|diff| vs {impls[0]} = {diff:.3g} '
                                                      f'(max|out| {r["max_abs_output"]:.3g})')
@@ -731,9 +737,9 @@ def main(argv=None):
                       f'memory {mem:.2f}x ({r["peak_mem_mb"]:.0f} / '
                       f'{base[0]["peak_mem_mb"]:.0f} MB){ops}')
 
-    # scaling summary
+    # scaling summary (not on meta: no times, no memory)
     by = {}
-    for r in results:
+    for r in results if device.type != 'meta' else []:
         by.setdefault((r['target'], r['impl']), []).append(r)
     if any(len(v) > 1 for v in by.values()):
         print('\n# scaling: time ratio between consecutive sizes, and log-log slope (time ~ px^s)')

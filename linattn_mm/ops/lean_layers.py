@@ -155,10 +155,12 @@ class DepthwiseConvTokens(torch.autograd.Function):
                            groups=C).permute(0, 2, 3, 1)
         else:
             bands = _Bands(src, step, p, weight.dtype)
-            out = src.new_empty(B, H, W, C, dtype=weight.dtype)
+            out = None
             for r0 in range(0, H, step):
                 r1 = min(H, r0 + step)
                 o = F.conv2d(bands.fill(src, r0, r1), weight, bias, groups=C)  # (B, C, R, W)
+                if out is None:  # the conv's dtype (the autocast dtype under autocast)
+                    out = o.new_empty(B, H, W, C)
                 out[:, r0:r1] = o.permute(0, 2, 3, 1)
         ctx.hw_shape, ctx.rows, ctx.has_bias = (H, W), step, bias is not None
         ctx.form = conv_backward_form(v.device, backward_form)
@@ -305,10 +307,12 @@ class SplitLinear(torch.autograd.Function):
     each part's weight and bias gradient into its rows. On CPU both run over chunks of tokens
     (:func:`~linattn_mm.ops.common.token_chunk_rows`): a chunk's GEMMs work in cache (about 15 %
     faster than over the whole map at the widths of a Swin-T stage 1), and no (N, parts * C)
-    gradient map is made. In one chunk (CUDA, autocast) with every part's gradient given, the
-    gradients are joined into that map and the backward is one GEMM for the input, one product
-    over the tokens for the weight and one sum for the bias, as plain autograd's: 5 operations
-    where the parts took 8 each (``docs/benchmarks.md``, "Operations per training step")."""
+    gradient map is made. In one chunk (off CPU, under autocast, or a map of one chunk) with
+    every part's gradient given, the gradients are joined into that map and the backward is one
+    GEMM for the input, one product over the tokens for the weight and one sum for the bias, as
+    plain autograd's: six operations in all (with the product in parts: a batched GEMM and its
+    sum), where each part took eight (``docs/benchmarks.md``, "Operations per training
+    step")."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, parts, rows=None):

@@ -18,7 +18,8 @@ from linattn_mm.models.utils.layers import Mlp
 from linattn_mm.ops import common
 from linattn_mm.ops.ffn import FFNBranch, conv_ffn_branch, ffn_branch
 from linattn_mm.ops.lean_layers import (CONV_BACKWARD_FORMS, DepthwiseConvTokens, GatedLinear,
-                                        NormGatedLinear, conv_backward_form)
+                                        NormGatedLinear, conv_backward_form,
+                                        depthwise_conv_tokens)
 from linattn_mm.ops.nala import nala_attention_fast, nala_attention_reference
 from linattn_mm.ops.pola import polarity_attention_fast, polarity_attention_reference
 
@@ -361,16 +362,20 @@ def test_lean_mixer_keeps_the_projection_and_a_few_token_maps(cfg):
 
 
 @pytest.mark.parametrize('dtype', DTYPES)
-@pytest.mark.parametrize('offset', [0, 1])
-def test_rope_as_complex_products_equals_the_reference(dtype, offset):
+@pytest.mark.parametrize('layout', ['head view', 'head view, pairs unaligned',
+                                    'contiguous, odd offset'])
+def test_rope_as_complex_products_equals_the_reference(dtype, layout):
     """The softmax stages' RoPE as complex products of the channel pairs (the pairs share their
     angle): equal to the reference rotation bit for bit on CPU, gradient included, on a head view
-    of a projection and on one whose pairs are not aligned in memory (``offset`` 1: copied
-    first)."""
+    of a projection and on tensors whose pairs are not aligned in memory (copied first)."""
     from linattn_mm.ops.nala import apply_rope, rotate_pairs
     g = torch.Generator().manual_seed(3)
-    proj = torch.randn(2, 15 * 20, 3 * 64 + offset, generator=g, dtype=dtype)
-    x = proj[..., offset + 64:offset + 128].unflatten(-1, (2, 32)).transpose(1, 2)  # (B, h, N, d)
+    if layout == 'contiguous, odd offset':
+        x = torch.randn(1 + 2 * 2 * 300 * 32, generator=g, dtype=dtype)[1:].view(2, 2, 300, 32)
+    else:
+        offset = int(layout.endswith('unaligned'))
+        proj = torch.randn(2, 15 * 20, 3 * 64 + offset, generator=g, dtype=dtype)
+        x = proj[..., offset + 64:offset + 128].unflatten(-1, (2, 32)).transpose(1, 2)
     sin, cos = (t.to(dtype) for t in RoPE2d(32)((15, 20)))
     w = torch.randn(2, 2, 300, 32, generator=g, dtype=dtype)
     want, (want_g, ) = grads_of(lambda t: apply_rope(t, sin, cos), [x.requires_grad_()], w)
@@ -407,6 +412,20 @@ def test_split_linear(dtype, bias, parts, used):
         assert len(got) == parts and all(rel(a, c) < TOL[dtype] for a, c in zip(got, want))
         for a, c in zip(got_g, want_g):
             assert a.dtype == c.dtype and rel(a, c) < TOL[dtype]
+
+
+def test_depthwise_conv_under_autocast_returns_the_autocast_dtype_in_bands_and_in_one():
+    """Under CPU bf16 autocast with a float32 kernel the conv runs in bfloat16, and both forward
+    forms return it in bfloat16, as the plain conv."""
+    v = torch.randn(1, 10 * 9, 8)
+    w, b = torch.randn(8, 1, 5, 5), torch.randn(8)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        want = depthwise_conv_tokens(v, (10, 9), w, b, (2, 2), lean=False)
+        outs = [DepthwiseConvTokens.apply(v, (10, 9), w, b, (2, 2), rows, None, None)
+                for rows in (None, 3)]  # one band, bands of 3 rows
+    assert want.dtype == torch.bfloat16
+    for out in outs:
+        assert out.dtype == torch.bfloat16 and torch.equal(out, want)
 
 
 @pytest.mark.parametrize('B,C,H,W,k', [(1, 24, 50, 37, 5), (2, 8, 5, 6, 5), (1, 4, 3, 9, 7),

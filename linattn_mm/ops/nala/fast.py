@@ -28,6 +28,7 @@ NormAwareAttention` and of the inference forms. Results equal the reference up t
 import torch
 
 from ..common import numpy_log2_, sign_split, token_gram
+from .reference import apply_rope
 
 __all__ = ['nala_forward', 'key_matrix', 'rope_turn', 'rotate_pairs', 'RotatePairs']
 
@@ -41,7 +42,7 @@ def rope_turn(sin, cos):
 def _turn_pairs(x, turn):
     """The channel pairs of ``x`` (..., d) as complex numbers times ``turn`` (..., d / 2)."""
     if x.stride(-1) != 1 or x.storage_offset() % 2 or any(s % 2 for s in x.stride()[:-1]):
-        x = x.contiguous()  # pairs must be complex numbers in memory
+        x = x.clone(memory_format=torch.contiguous_format)  # pairs as complex numbers in memory
     return torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * turn).flatten(-2)
 
 
@@ -51,7 +52,7 @@ class RotatePairs(torch.autograd.Function):
     :func:`rope_turn`: ``(x0 cos - x1 sin, x1 cos + x0 sin)``, the reference's products and sums
     (equal to it bit for bit on CPU); the backward turns the gradient back by the conjugate. It
     keeps ``sin`` and ``cos`` (the stage's shared tables), not the complex table, and is two
-    operations each way, where the reference's rotate-half takes five forward and nine backward
+    operations forward and three backward, where the reference's rotate-half takes five and seven
     (the softmax stages' training form)."""
 
     @staticmethod
@@ -66,7 +67,12 @@ class RotatePairs(torch.autograd.Function):
 
 
 def rotate_pairs(x, sin, cos):
-    """The RoPE rotation of ``x`` through :class:`RotatePairs`."""
+    """The RoPE rotation of ``x`` through :class:`RotatePairs` for float32 / float64 ``x`` and
+    tables of its dtype; other dtypes (torch has no bfloat16 complex numbers) through
+    :func:`~linattn_mm.ops.nala.reference.apply_rope`."""
+    if x.dtype not in (torch.float32, torch.float64) or sin.dtype != x.dtype \
+            or cos.dtype != x.dtype:
+        return apply_rope(x, sin, cos)
     return RotatePairs.apply(x, sin, cos)
 
 

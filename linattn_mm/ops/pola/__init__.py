@@ -8,7 +8,7 @@ q (B, h, N, d), k and v (B, h, n, d) per head; ``p`` the exponents (1, h, 1, d);
 * :mod:`.reference` — the official order of operations, the oracle (``core='reference'``);
 * :mod:`.fast` — the torch kernel: one power per tensor, one query-side GEMM for both streams and
   their normalisers, the temperature and ``n^-1/2`` folded; with :mod:`.autograd`, the training
-  Function that keeps only q, k, v and two small matrices per head for its analytic backward
+  Function that keeps only q, k, v and one small matrix per head for its analytic backward
   (``core='fast'``, the default);
 * :mod:`.triton` — the Triton kernel, CUDA inference (``core='triton'``);
 * :mod:`.chunked_cpu` — the whole layer in CPU inference, chunk by chunk (a layer form, used by

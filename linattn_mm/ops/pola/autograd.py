@@ -1,6 +1,9 @@
 """The training form of the Pola core: an autograd Function that keeps for backward only q, k, v,
-the parameters and the two small (d, d + 2) matrices per head, and recomputes the polarity
-features in its backward, where the gradients are written out analytically.
+the parameters and the small (2d, d + 2) matrix ``[W+; W-]`` per head, and recomputes the
+polarity features in its backward, where the gradients are written out analytically. The
+features of q (and of k) are one buffer ``[x+ | x-]`` (.., L, 2d), so that each pair of products
+below is one product: ``r = [q+ | q-] [W+; W-]``, ``[dq+ | dq-] = dR [W+; W-]^T``,
+``[dW+; dW-] = [q+ | q-]^T dR``, and on the key side ``[k+; k-]^T v``, ``dv = [k+ | k-] dKV``.
 
 Forward (per head; :mod:`linattn_mm.ops.pola.fast`)::
 
@@ -118,8 +121,8 @@ class PolarityAttention(torch.autograd.Function):
     k_bias broadcastable to k or None, rows (tokens per chunk of the backward, None: by
     :data:`~linattn_mm.ops.pola.fast.TRAIN_CHUNK_ELEMENTS`).
 
-    The backward runs over chunks of tokens: the query pass recomputes q+, q- and ``r`` for a
-    chunk, writes its part of dq and accumulates the gradients of ``W+``, ``W-``; the key pass
+    The backward runs over chunks of tokens: the query pass recomputes ``[q+ | q-]`` and ``r``
+    for a chunk, writes its part of dq and accumulates the gradient of ``[W+; W-]``; the key pass
     then does the same for k and v. No full-size temporary is made besides the gradients.
 
     The core computes in the wider of ``p``'s dtype and float32 (float64 for float64 q, k, v).

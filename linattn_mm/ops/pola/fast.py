@@ -10,7 +10,7 @@ official form are the four ``pow`` calls with a per-channel tensor exponent (one
 * **One pow per tensor.** ``relu(x)^p`` and ``relu(-x)^p`` have disjoint support, so
   ``a = |x / s|^p`` is computed once; with ``c = copysign(a, x)``, ``pos = relu(c)`` and
   ``neg = pos - c`` are exact (``c - c == 0``, ``0 - c == |c|``) and are written straight into
-  two buffers (no ``[relu(x)^p, relu(-x)^p]`` concatenation is made). ``torch.where`` is
+  the two halves of one ``[x+ | x-]`` buffer (no concatenation copy is made). ``torch.where`` is
   avoided on purpose: its CPU kernel is several times slower than ``clamp``/``sub``.
 * **Temperature folded.** ``|x / s|`` is ``|x| * (1 / s)`` (``s > 0`` keeps the sign of ``x``), so
   no separate ``q / s`` and ``k / s`` tensors are made.
@@ -19,7 +19,9 @@ official form are the four ``pow`` calls with a per-channel tensor exponent (one
   ``W = [kk^T v, arranged per stream | sum(kk), sum(swap(kk))] / n`` of shape (2d, d + 2) gives the
   numerators of the two streams *and* their two denominators from one ``q_sim @ W`` (the
   EfficientViT "ones column" trick, done on the d x d side instead of padding V). ``q_opp`` is
-  never materialised.
+  never materialised. The training form stacks ``W`` for ``q+`` and the one for ``q-``
+  (``[W+; W-]``, :func:`joined_query_weights`), so that the joined features ``[q+ | q-]`` meet
+  both in one product, forward and backward.
 * **Scalars folded.** The official form scales K and V by ``n^-1/2`` (two full passes) and takes a
   mean; here only the (2d, d + 2) matrix is divided by ``n``.
 * **Layout.** The result is written directly in (B, N, h, d) memory order, so merging the heads
@@ -82,13 +84,6 @@ def _pos_neg_into(x, p, inv_scale, bias, c, a):
     numpy_log2_(torch.abs(c, out=a)).mul_(p).exp2_().copysign_(c)
     pos = torch.clamp_min(a, 0, out=c)
     return pos, torch.sub(pos, a, out=a)  # relu(c) - c == relu(-c), exactly
-
-
-def _pos_neg_nograd(x, p, inv_scale=None, bias=None):
-    """Inference form of :func:`polarity_features`: ``(relu(y)^p, relu(-y)^p)`` as two contiguous
-    tensors, ``y = (x + bias) * inv_scale``, made with two buffers and in-place ops only."""
-    c = torch.empty(torch.broadcast_shapes(x.shape, p.shape), dtype=x.dtype, device=x.device)
-    return _pos_neg_into(x, p, inv_scale, bias, c, torch.empty_like(c))
 
 
 def _query_weights(kvp, kvn, ksp, ksn, n, out_pos=None, out_neg=None):
