@@ -73,7 +73,6 @@ a fraction of the device's peak (``--peak-bw`` in GB/s, or known for H100 / H200
 ``--impls`` among ``triton``, ``torch``, ``reference``).
 """
 import argparse
-import contextlib
 import gc
 import json
 import math
@@ -93,6 +92,7 @@ from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d
 from linattn_mm.models.attentions.pola import PolaLinearAttention
 from linattn_mm.models.utils.layers import TransformerBlock
 from linattn_mm.models.backbones.nalaformer import NaLaBlock
+from linattn_mm.ops.common import no_autocast
 from linattn_mm.utils import OperationCounter, PeakMemoryCounter, use_heap_allocator
 from linattn_mm.utils.progress import emit, progress_bar
 
@@ -364,9 +364,8 @@ def _train_runner(fn, device, autocast_dtype, model=None):
     ``model``'s gradients are cleared before the memory run (``run.clear``), so that the previous
     step's gradients are not counted in the base of a CUDA peak."""
     def run():
-        with torch.autocast(device.type, dtype=autocast_dtype,
-                            enabled=autocast_dtype is not None) if autocast_dtype is not None \
-                or torch.amp.is_autocast_available(device.type) else contextlib.nullcontext():
+        with (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
+              else no_autocast(device)):
             loss = fn()
         loss.backward()
         return loss.detach()

@@ -4,7 +4,7 @@ import contextlib
 import numpy as np
 import torch
 
-__all__ = ['grad_needed', 'sign_split', 'linear_into', 'chunked_layer_setup', 'MIN_CHUNK_ROWS',
+__all__ = ['grad_needed', 'sign_split', 'sign_split_dot', 'linear_into', 'chunked_layer_setup', 'MIN_CHUNK_ROWS',
            'numpy_log2_', 'NUMPY_LOG2_MAX_THREADS', 'core_dtype', 'no_autocast', 'autocast_on',
            'token_chunk_rows', 'TOKEN_CHUNK_ELEMENTS', 'TOKEN_MIN_ROWS', 'add_or_take',
            'token_gram', 'token_gram_parts', 'TOKENS_PER_GRAM_PART', 'in_dtype_of',
@@ -192,6 +192,15 @@ def sign_split(c):
     pos = torch.clamp_min(c, 0, out=out[..., :d])
     torch.sub(pos, c, out=out[..., d:])
     return out
+
+
+def sign_split_dot(df, f):
+    """``dc * c`` for ``f = sign_split(c)`` (..., 2d) and ``df`` the gradient of ``f``: the two
+    halves of ``df * f`` summed (``relu(c) = c [c > 0]``, ``relu(-c) = -c [c < 0]``: the same
+    products as ``dc`` taken through the sign split, then times ``c``). ``df`` is overwritten."""
+    d = f.shape[-1] // 2
+    gf = df.mul_(f)
+    return torch.add(gf[..., :d], gf[..., d:])
 
 
 #: :func:`numpy_log2_` takes numpy's log2 on CPU when torch runs this many threads or fewer (one

@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from ..common import core_dtype, kept_input, sign_split, token_gram
+from ..common import core_dtype, kept_input, sign_split, sign_split_dot, token_gram
 from ..common import in_dtype_of as _to
 from .fast import _query_terms, _key_power, _rot_rows, _with_rope, key_matrix, nala_forward
 from .reference import nala_attention_reference
@@ -105,10 +105,7 @@ class NormAwareAttention(torch.autograd.Function):
         dfq += dden * k_mean.unsqueeze(-2)
         dk_mean = (dden * fq).sum(-2)  # (B, h, 2d)
         del dden
-        # G = dc c = dfq+ relu(c) + dfq- relu(-c): the two halves of dfq fq, exactly
-        d = q.shape[-1]
-        G = dfq.mul_(fq)
-        G = torch.add(G[..., :d], G[..., d:])
+        G = sign_split_dot(dfq, fq)  # dc c, exactly (dfq+ relu(c) + dfq- relu(-c))
         del fq, dfq
         # keys
         ck = _key_power(k, lam)
@@ -129,6 +126,7 @@ class NormAwareAttention(torch.autograd.Function):
         if lam > 1:  # d(k^lam)/dk = 0 at k = 0: the branch taken there does not matter (where
             # k^lam underflows to 0 for k != 0, dk is dfk- lam |k|^(lam-1), below 1e-38 in
             # float32, where the reference gives 0)
+            d = k.shape[-1]
             dck = torch.where(ck > 0, dfk[..., :d], dfk[..., d:].neg())
         else:
             dck = _split_grad(dfk, ck)

@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from ..common import numpy_log2_, sign_split, token_gram
+from ..common import numpy_log2_, sign_split, sign_split_dot, token_gram
 from ..common import in_dtype_of as _to
 from .fast import _scaled_into, chunk_rows, heads_buffer, polarity_forward, token_slice
 
@@ -56,9 +56,7 @@ class _PowerTerms:
         if given; also the bias's: the same tensor, summed by the caller), of ``inv_scale`` and
         of ``p`` (the latter two still to be summed to the parameters' shapes; ``p``'s also to be
         multiplied by ln 2)."""
-        d = self.y.shape[-1]
-        gf = df.mul_(self.f)
-        g = torch.add(gf[..., :d], gf[..., d:])  # G = da * a (x+, x- hold a)
+        g = sign_split_dot(df, self.f)  # G = da * a (x+, x- hold a)
         zero = self.y == 0  # G = 0 there; 0 / 0 and 0 * log2(0) are set to 0
         dy = (g * self.p).div_(self.y).masked_fill_(zero, 0.)
         dp = g.mul_(self.log2).masked_fill_(zero, 0.)  # times ln 2 once summed
