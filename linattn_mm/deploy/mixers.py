@@ -145,7 +145,7 @@ class WindowSoftmaxAttentionCPU(InferenceForm, WindowSoftmaxAttention):
         windows = self._window_tokens(x, hw_shape)  # (B*nW, n, C)
         num, n = windows.shape[:2]
         bias = self.relative_position_bias().to(x.dtype)[None]  # (1, h, n, n)
-        mask = shift_window_mask(Hp, Wp, ws, s, x.device).to(x.dtype) if s else None
+        mask = shift_window_mask(Hp, Wp, ws, s, x.device, x.dtype) if s else None
         nW = num // B
         out = torch.empty_like(windows)
         group = max(1, WINDOW_GROUP_TOKENS // n)

@@ -41,19 +41,22 @@ from linattn_mm.ops.poly import poly_pool, poly_spread, region_onehot
 from linattn_mm.registry import ATTENTIONS, register_backbone
 from ..utils.grid import nlc_to_nchw, resize_grid_embed
 from .base import BaseTokenMixer, merge_heads, run_in_fp32, split_heads
+from ..utils.constants import shape_constant
 from .softmax import shift_region_labels, window_partition, window_reverse
 
 __all__ = ['PolyNL2d', 'PolySelfAttention', 'poly_pool', 'poly_spread', 'region_onehot',
            'shift_region_ids', 'polynl_cost']
 
 
+@shape_constant(maxsize=64)
 def shift_region_ids(H, W, window_size, shift, device):
     """Region id of every position of the padded, cyclically shifted ``Hp × Wp`` grid, laid out as
     windows: (nW, ws*ws) with ids 0..8 (the nine Swin shift regions of
     :func:`~linattn_mm.models.attentions.softmax.shift_region_labels`; all 0 without shift) and -1
     for the bottom/right padding added to reach multiples of ``window_size``. Two positions of one
     window may be pooled together exactly when the Swin shift mask lets them attend each other (and
-    neither is padding)."""
+    neither is padding). Made once per arguments (:func:`~linattn_mm.models.utils.constants.
+    shape_constant`): not to be modified."""
     ws = window_size
     Hp, Wp = H + (-H) % ws, W + (-W) % ws
     if shift:

@@ -1,8 +1,6 @@
 """Softmax attention references: global multi-head attention, Swin window attention and PVT
 spatial-reduction attention. Parameter names follow the official DeiT / Swin / PVT code, so
 official checkpoints load with their keys unchanged."""
-import functools
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -10,6 +8,7 @@ import torch.nn.functional as F
 from linattn_mm.ops.lean_layers import GatherTokens
 from linattn_mm.registry import ATTENTIONS
 from .base import BaseTokenMixer, merge_heads, split_heads
+from ..utils.constants import shape_constant
 from ..utils.grid import nlc_to_nchw
 
 
@@ -79,7 +78,7 @@ def window_reverse(windows, ws, H, W):
     return x.reshape(B, H, W, C)
 
 
-@functools.lru_cache(maxsize=64)
+@shape_constant(maxsize=64)
 def window_layout(H, W, ws, shift, device):
     """Where the tokens of an H x W grid go in Swin's windows: the grid padded at the bottom /
     right to multiples of ``ws``, cyclically shifted by ``shift`` (``torch.roll`` by ``-shift``)
@@ -87,7 +86,8 @@ def window_layout(H, W, ws, shift, device):
     the token of every window position (window by window, -1 on the padding), ``holes`` the
     padding's positions, ``inv`` (H*W, ) the window position of every token, ``inv_holes`` empty
     (for :class:`~linattn_mm.ops.lean_layers.GatherTokens`, both ways). On the ``meta`` device
-    (shapes only) the layout is made on CPU and moved."""
+    (shapes only) the layout is made on CPU and moved. Made once per arguments
+    (:func:`~linattn_mm.models.utils.constants.shape_constant`): not to be modified."""
     if torch.device(device).type == 'meta':
         return tuple(t.to(device) for t in window_layout(H, W, ws, shift, 'cpu'))
     Hp, Wp = H + (-H) % ws, W + (-W) % ws
@@ -116,12 +116,15 @@ def shift_region_labels(Hp, Wp, ws, shift, device, dtype=torch.float32):
     return img
 
 
-def shift_window_mask(Hp, Wp, ws, shift, device):
-    """Additive mask (nW, ws*ws, ws*ws) that keeps cyclically shifted windows from mixing regions
-    that are not adjacent in the image (Swin SW-MSA)."""
+@shape_constant(maxsize=64)
+def shift_window_mask(Hp, Wp, ws, shift, device, dtype=torch.float32):
+    """Additive mask (nW, ws*ws, ws*ws) in ``dtype`` that keeps cyclically shifted windows from
+    mixing regions that are not adjacent in the image (Swin SW-MSA): 0 within a region, -100
+    between two. Made once per arguments (:func:`~linattn_mm.models.utils.constants.
+    shape_constant`; stock Swin rebuilds it in every forward): not to be modified."""
     win = window_partition(shift_region_labels(Hp, Wp, ws, shift, device), ws).squeeze(-1)
     mask = win[:, None, :] - win[:, :, None]
-    return mask.masked_fill(mask != 0, -100.0).masked_fill(mask == 0, 0.0)
+    return mask.masked_fill(mask != 0, -100.0).masked_fill(mask == 0, 0.0).to(dtype)
 
 
 @ATTENTIONS.register_module()
@@ -218,7 +221,7 @@ class WindowSoftmaxAttention(BaseTokenMixer):
         q, k, v = split_heads(windows, self.num_heads * 3).chunk(3, dim=1)
         bias = self.relative_position_bias().to(q.dtype)[None]  # (1, h, n, n)
         if s:
-            mask = shift_window_mask(Hp, Wp, ws, s, x.device).to(q.dtype)  # (nW, n, n)
+            mask = shift_window_mask(Hp, Wp, ws, s, x.device, q.dtype)  # (nW, n, n)
             bias = bias + mask[:, None]
         return q, k, v, bias
 

@@ -5,6 +5,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from .constants import shape_constant
+
 
 def nlc_to_nchw(x, hw_shape):
     """Tokens (B, N, C) on an H x W grid as a (B, C, H, W) map. For contiguous tokens this is a
@@ -32,8 +34,11 @@ def _interp_matrix(n_in, n_out, mode):
     return out[0, :, :, 0].t().contiguous()
 
 
+@shape_constant(maxsize=256)
 def interp_matrix(n_in, n_out, mode, dtype, device):
-    """:func:`_interp_matrix` in ``dtype`` on ``device``."""
+    """:func:`_interp_matrix` in ``dtype`` on ``device``, made once per arguments
+    (:func:`~linattn_mm.models.utils.constants.shape_constant`: a resize in every forward does not
+    copy it from the host again, a copy that would wait for the GPU); not to be modified."""
     return _interp_matrix(int(n_in), int(n_out), mode).to(device=device, dtype=dtype)
 
 

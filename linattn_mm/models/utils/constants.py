@@ -1,0 +1,38 @@
+"""Tensors that depend on shapes, a device and a dtype only (window layouts, shift masks,
+interpolation matrices): made once per key and kept, so that a forward does not rebuild them
+(each rebuild is a dozen small operations, and a table made on the host and moved to a GPU is a
+copy that waits for the GPU)."""
+import functools
+
+import torch
+
+__all__ = ['shape_constant', 'clear_shape_constants']
+
+_CACHED = []
+
+
+def shape_constant(maxsize):
+    """Decorator: cache ``fn``'s result per arguments (hashable: ints, strings, devices, dtypes;
+    the ``maxsize`` most recent keys are kept, as :func:`functools.lru_cache`).
+
+    The result is made with inference mode off, so that a table first made under
+    ``torch.inference_mode()`` (an inference run) can be saved for backward by a later training
+    step; autograd does not track it (no input requires grad). Callers must not modify it in
+    place: every later call gets the same tensors."""
+    def wrap(fn):
+        @functools.lru_cache(maxsize=maxsize)
+        @functools.wraps(fn)
+        def cached(*args, **kwargs):
+            with torch.inference_mode(False):
+                return fn(*args, **kwargs)
+        _CACHED.append(cached)
+        return cached
+    return wrap
+
+
+def clear_shape_constants():
+    """Drop every table kept by :func:`shape_constant` (they are remade on their next use): to
+    free the memory of tables for sizes no longer in use, e.g. on a GPU after a run at many
+    input sizes."""
+    for fn in _CACHED:
+        fn.cache_clear()
