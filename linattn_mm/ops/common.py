@@ -1,10 +1,11 @@
 """Pieces shared by the torch kernels of :mod:`linattn_mm.ops`."""
 import contextlib
+import functools
 
 import numpy as np
 import torch
 
-__all__ = ['grad_needed', 'sign_split', 'sign_split_dot', 'linear_into', 'chunked_layer_setup', 'MIN_CHUNK_ROWS',
+__all__ = ['grad_needed', 'promote_types', 'sign_split', 'sign_split_dot', 'linear_into', 'chunked_layer_setup', 'MIN_CHUNK_ROWS',
            'numpy_log2_', 'NUMPY_LOG2_MAX_THREADS', 'core_dtype', 'no_autocast', 'autocast_on',
            'token_chunk_rows', 'TOKEN_CHUNK_ELEMENTS', 'TOKEN_MIN_ROWS', 'add_or_take',
            'token_gram', 'token_gram_parts', 'TOKENS_PER_GRAM_PART', 'in_dtype_of',
@@ -17,13 +18,21 @@ def grad_needed(*tensors):
         isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
+@functools.lru_cache(maxsize=None)
+def promote_types(a, b):
+    """``torch.promote_types(a, b)``, remembered: the torch function is an operator call (a trip
+    through the dispatcher, counted by :class:`~linattn_mm.utils.OperationCounter`), and the
+    cores ask it for the same few pairs of dtypes in every call."""
+    return torch.promote_types(a, b)
+
+
 def core_dtype(*tensors):
     """The dtype the attention cores compute in: float64 when any input is float64, else
     float32 (half-precision inputs are promoted: the feature maps' powers leave their range)."""
     work = torch.float32
     for t in tensors:
         if t is not None:
-            work = torch.promote_types(work, t.dtype)
+            work = promote_types(work, t.dtype)
     return work
 
 

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .common import add_or_take, kept_input, linear_into, token_chunk_rows, token_gram
+from .common import (add_or_take, kept_input, linear_into, promote_types, token_chunk_rows,
+                     token_gram)
 from .common import in_dtype_of as _to
 
 __all__ = ['DepthwiseConvTokens', 'depthwise_conv_tokens', 'GatedLinear', 'NormGatedLinear',
@@ -188,7 +189,7 @@ class DepthwiseConvTokens(torch.autograd.Function):
                 dv = dv.permute(0, 2, 3, 1).reshape(B, N, C).to(ctx.v_dtype)
             return dv, None, _to(dw, weight), _to(db, weight), None, None, None, None
         dv = dw = None
-        acc = torch.float64 if dt == torch.float32 else torch.promote_types(dt, torch.float32)
+        acc = torch.float64 if dt == torch.float32 else promote_types(dt, torch.float32)
         if need[0]:
             dv = g.new_empty(B, H, W, C)
             w_flip = w.flip(-2, -1)

@@ -215,5 +215,5 @@ def polarity_attention_fast(q, k, v, p, eps=1e-6, temperature=None, k_bias=None,
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f'polarity_attention_fast: q, k, v must be (B, h, N, d), got '
                          f'{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}')
-    inv_scale = None if temperature is None else 1 / temperature
+    inv_scale = None if temperature is None else temperature.reciprocal()
     return PolarityAttention.apply(q, k, v, p, eps, inv_scale, k_bias, rows)

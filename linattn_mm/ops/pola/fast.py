@@ -34,7 +34,8 @@ float64, gradients included).
 """
 import torch
 
-from ..common import MIN_CHUNK_ROWS, core_dtype, numpy_log2_, sign_split, token_gram
+from ..common import (MIN_CHUNK_ROWS, core_dtype, numpy_log2_, promote_types, sign_split,
+                      token_gram)
 
 __all__ = ['polarity_features', 'polarity_forward', 'joined_query_weights', 'chunk_rows',
            'heads_buffer', 'token_slice', 'TRAIN_CHUNK_ELEMENTS']
@@ -171,7 +172,7 @@ def polarity_forward(q, k, v, p, eps, inv_scale, k_bias, rows=None):
     B, h, N, d = q.shape
     n = k.shape[-2]
     d_s = (d + 1) // 2
-    work = torch.promote_types(p.dtype, core_dtype(q, k, v))
+    work = promote_types(p.dtype, core_dtype(q, k, v))
     kv = ks = None
     step = chunk_rows(k, rows)
     for i in range(0, n, step):
