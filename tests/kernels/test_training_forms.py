@@ -62,7 +62,9 @@ def rand(*shape, dtype, g, scale=1., grad=True):
 # the attention cores
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize('dtype', DTYPES)
-@pytest.mark.parametrize('B,h,N,n,d', [(2, 3, 37, 37, 8), (1, 2, 40, 13, 7), (2, 1, 17, 17, 6)])
+# N = n: with rows None one joint pass for q and k (ops.pola.fast.joint_pass), else chunk loops
+@pytest.mark.parametrize('B,h,N,n,d', [(2, 3, 37, 37, 8), (1, 2, 40, 13, 7), (2, 1, 17, 17, 6),
+                                       (1, 2, 19, 19, 5)])
 @pytest.mark.parametrize('frozen', [False, True])  # exponents / temperature / PE without grads
 @pytest.mark.parametrize('rows', [None, 5])  # the backward in one chunk, or in chunks of 5 tokens
 def test_pola_core(dtype, B, h, N, n, d, frozen, rows):
@@ -79,14 +81,36 @@ def test_pola_core(dtype, B, h, N, n, d, frozen, rows):
 
 
 @pytest.mark.parametrize('dtype', DTYPES)
-def test_pola_core_bias_shared_by_the_tokens(dtype):
-    """A key bias broadcast over the tokens (1, h, 1, d), the backward in chunks of 4 tokens."""
+@pytest.mark.parametrize('rows', [None, 4])  # one joint pass, or chunks of 4 tokens
+def test_pola_core_bias_shared_by_the_tokens(dtype, rows):
+    """A key bias broadcast over the tokens (1, h, 1, d), no temperature."""
     g = torch.Generator().manual_seed(1)
     q, k, v = (rand(2, 2, 11, 6, dtype=dtype, g=g) for _ in range(3))
     p = (1 + 4 * torch.rand(1, 2, 1, 6, generator=g, dtype=dtype)).requires_grad_()
     b = rand(1, 2, 1, 6, dtype=dtype, g=g, scale=0.3)
-    assert_same_gradients(partial(polarity_attention_fast, rows=4), polarity_attention_reference,
-                          [q, k, v, p, 1e-6, None, b], dtype)
+    assert_same_gradients(partial(polarity_attention_fast, rows=rows),
+                          polarity_attention_reference, [q, k, v, p, 1e-6, None, b], dtype)
+
+
+def test_pola_core_joint_pass_where_queries_and_keys_are_one_chunk_each(monkeypatch):
+    """The forward and the backward take q and k in one pass where both are one chunk of the same
+    shape (the default off CPU, and on CPU for maps up to a chunk), else the chunk loops; both
+    give the reference's gradients (above)."""
+    import linattn_mm.ops.pola.autograd as pola_autograd
+    import linattn_mm.ops.pola.fast as pola_fast
+    taken = []
+    joint = pola_fast.joint_pass
+    for mod in (pola_fast, pola_autograd):
+        monkeypatch.setattr(mod, 'joint_pass', lambda *a: taken.append(joint(*a)) or taken[-1])
+    g = torch.Generator().manual_seed(2)
+    for (N, n, rows), want in (((37, 37, None), True), ((37, 37, 5), False),
+                               ((37, 13, None), False)):
+        taken.clear()
+        q = rand(2, 3, N, 8, dtype=torch.float64, g=g)
+        k, v = (rand(2, 3, n, 8, dtype=torch.float64, g=g) for _ in range(2))
+        p = (1 + 4 * torch.rand(1, 3, 1, 8, generator=g, dtype=torch.float64))
+        polarity_attention_fast(q, k, v, p, rows=rows).sum().backward()
+        assert taken == [want, want], (N, n, rows)
 
 
 def _nala_inputs(seed, dtype, rope):

@@ -29,7 +29,8 @@ import torch
 
 from ..common import numpy_log2_, sign_split, sign_split_dot, token_gram
 from ..common import in_dtype_of as _to
-from .fast import _scaled_into, chunk_rows, heads_buffer, polarity_forward, token_slice
+from .fast import (_scaled_into, chunk_rows, heads_buffer, joint_pass, joint_scaled,
+                   polarity_forward, token_slice)
 
 __all__ = ['PolarityAttention', 'polarity_attention_fast']
 
@@ -37,16 +38,17 @@ _LN2 = math.log(2.)
 
 
 class _PowerTerms:
-    """``y = (x + bias) * inv_scale``, ``log2|y|`` and ``a = |y|^p`` of q or k, computed once in
-    the backward for both the features ``[x+ | x-]`` (one (.., L, 2d) buffer: ``x+ = a [y > 0]``,
-    ``x- = a [y < 0]``) and their gradients (no autograd graph)."""
+    """``y = (x + bias) * inv_scale``, ``log2|y|`` and ``a = |y|^p`` of q or k (or of both,
+    stacked), computed once in the backward for both the features ``[x+ | x-]`` (one (.., L, 2d)
+    buffer: ``x+ = a [y > 0]``, ``x- = a [y < 0]``) and their gradients (no autograd graph).
+    ``y`` may be given (then ``x`` is it: no temperature, no bias)."""
 
-    def __init__(self, x, p, inv_scale, bias):
+    def __init__(self, x, p, inv_scale, bias, y=None):
         self.x, self.p, self.inv_scale, self.bias = x, p, inv_scale, bias
         shape = torch.broadcast_shapes(x.shape, p.shape)
         # contiguous (B, h, L, d), whatever the strides of x: the products over the tokens of
         # the features then need no copy
-        self.y = _scaled_into(x, inv_scale, bias, x.new_empty(shape))
+        self.y = y if y is not None else _scaled_into(x, inv_scale, bias, x.new_empty(shape))
         self.log2 = numpy_log2_(self.y.abs())
         a = torch.mul(self.log2, p).exp2_().copysign_(self.y)  # signed |y|^p
         self.f = sign_split(a)  # [relu(a) | relu(-a)], exactly
@@ -122,6 +124,11 @@ class PolarityAttention(torch.autograd.Function):
     The backward runs over chunks of tokens: the query pass recomputes ``[q+ | q-]`` and ``r``
     for a chunk, writes its part of dq and accumulates the gradient of ``[W+; W-]``; the key pass
     then does the same for k and v. No full-size temporary is made besides the gradients.
+    Where q and k are one chunk each of the same shape (self-attention without key reduction, the
+    default off CPU: :func:`~linattn_mm.ops.pola.fast.joint_pass`), the forward and the backward
+    compute the features of both as one stacked (2, B, h, N, 2d) tensor: each elementwise step
+    is one operation for both (on a GPU at batch 1 the host's launches set the pace), the same
+    products as the loops.
 
     The core computes in the wider of ``p``'s dtype and float32 (float64 for float64 q, k, v).
     q, k, v and ``k_bias`` may come in a lower precision (the projections under autocast): they
@@ -151,9 +158,15 @@ class PolarityAttention(torch.autograd.Function):
             if want_inv:
                 acc['inv'] = _add_sum(acc['inv'], d_inv, inv_scale.shape)
 
+        rows_q, rows_k = chunk_rows(q, ctx.rows), chunk_rows(k, ctx.rows)
+        if joint_pass(q, k, rows_q, rows_k):
+            dq, dk, dv, d_inv, dp = _joint_backward(q, k, v, p, inv_scale, k_bias, w, grad,
+                                                    ctx.eps, need)
+            accumulate(d_inv, dp)
+            return _grads(q, k, v, p, k_bias, need, dq, dk, dv, acc, want_p, want_inv)
         # queries, chunk by chunk: recompute [q+ | q-] and r, then the output's gradient
         # through the division; accumulate the gradient of W = [W+; W-] (B, h, 2d, d + 2)
-        rows = chunk_rows(q, ctx.rows)
+        rows = rows_q
         dq = heads_buffer(q, N, work) if need[0] else None
         dw = None
         for i in range(0, N, rows):
@@ -168,7 +181,7 @@ class PolarityAttention(torch.autograd.Function):
         # keys, chunk by chunk: k+^T v, k-^T v and the key sums
         dkv, dks = _key_side_grads(dw, d, n)
         del dw
-        rows = chunk_rows(k, ctx.rows)
+        rows = rows_k
         dk = heads_buffer(k, n, work) if need[1] or need[6] else None
         dv = heads_buffer(v, n, work) if need[2] else None
         for i in range(0, n, rows):
@@ -180,12 +193,49 @@ class PolarityAttention(torch.autograd.Function):
             df = (v[:, :, sl].to(work) @ dkv.transpose(-2, -1)).add_(dks)
             _, d_inv, dp = terms.backward(df, None if dk is None else dk[:, :, sl])
             accumulate(d_inv, dp)
-        grads_p = acc['p'].mul_(_LN2) if want_p else None
-        d_bias = None
-        if k_bias is not None and need[6]:
-            d_bias = dk.sum_to_size(k_bias.shape).to(k_bias.dtype)
-        return (_to(dq, q), _to(dk, k) if need[1] else None, _to(dv, v), grads_p, None,
-                acc['inv'] if want_inv else None, d_bias, None)
+        return _grads(q, k, v, p, k_bias, need, dq, dk, dv, acc, want_p, want_inv)
+
+
+def _grads(q, k, v, p, k_bias, need, dq, dk, dv, acc, want_p, want_inv):
+    """The Function's gradients, in the inputs' dtypes, from those of q, k, v (in the working
+    dtype) and the sums of the exponents' and the inverse temperature's."""
+    grads_p = acc['p'].mul_(_LN2) if want_p else None
+    d_bias = None
+    if k_bias is not None and need[6]:
+        d_bias = dk.sum_to_size(k_bias.shape).to(k_bias.dtype)
+    return (_to(dq, q), _to(dk, k) if need[1] else None, _to(dv, v), grads_p, None,
+            acc['inv'] if want_inv else None, d_bias, None)
+
+
+def _joint_backward(q, k, v, p, inv_scale, k_bias, w, grad, eps, need):
+    """The backward in one pass when q and k are one chunk each with the same shape
+    (:func:`~linattn_mm.ops.pola.fast.joint_pass`; self-attention off CPU): the features of both
+    are recomputed as one stacked (2, B, h, N, 2d) tensor and their gradients taken back through
+    the powers as one, each operation one pass for both. The same products as the chunk loops.
+    Returns dq, dk, dv (working dtype; dk None when neither k nor its bias needs one) and the
+    stacked terms of the inverse temperature's and the exponents' gradients."""
+    work, d, n = w.dtype, q.shape[-1], k.shape[-2]
+    x = joint_scaled(q, k, None, k_bias, work)  # [q; k + bias], before the temperature
+    terms = _PowerTerms(x, p, inv_scale, None, y=x if inv_scale is None else None)
+    fq, fk = terms.f.unbind(0)
+    dr = _output_grad(fq @ w, grad.to(work), eps)
+    dw = token_gram(fq, dr)
+    df = torch.empty_like(terms.f)
+    torch.matmul(dr, w.transpose(-2, -1), out=df[0])
+    del dr
+    dkv, dks = _key_side_grads(dw, d, n)
+    dv = None
+    if need[2]:
+        dv = heads_buffer(v, n, work)
+        dv.copy_(fk @ dkv)
+    torch.matmul(v.to(work), dkv.transpose(-2, -1), out=df[1]).add_(dks)
+    B, h, N, _ = q.shape
+    dx = None
+    if need[0] or need[1] or need[6]:
+        dx = torch.empty(2, B, N, h, d, dtype=work, device=q.device).transpose(2, 3)
+    _, d_inv, dp = terms.backward(df, dx)
+    dq, dk = (None, None) if dx is None else dx.unbind(0)
+    return (dq if need[0] else None, dk if need[1] or need[6] else None, dv, d_inv, dp)
 
 
 def polarity_attention_fast(q, k, v, p, eps=1e-6, temperature=None, k_bias=None, rows=None):

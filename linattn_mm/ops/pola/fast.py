@@ -38,7 +38,7 @@ from ..common import (MIN_CHUNK_ROWS, core_dtype, numpy_log2_, promote_types, si
                       token_gram)
 
 __all__ = ['polarity_features', 'polarity_forward', 'joined_query_weights', 'chunk_rows',
-           'heads_buffer', 'token_slice', 'TRAIN_CHUNK_ELEMENTS']
+           'heads_buffer', 'token_slice', 'joint_pass', 'joint_scaled', 'TRAIN_CHUNK_ELEMENTS']
 
 
 def polarity_features(x, p, inv_scale=None, bias=None):
@@ -56,12 +56,34 @@ def polarity_features(x, p, inv_scale=None, bias=None):
     """
     shape = torch.broadcast_shapes(x.shape, p.shape)
     c = _scaled_into(x, inv_scale, bias, torch.empty(shape, dtype=x.dtype, device=x.device))
+    return _features_of_scaled(c, p)
+
+
+def _features_of_scaled(c, p):
+    """``[relu(c)^p, relu(-c)^p]`` (..., 2d) of the scaled ``c`` (contiguous, (..., d))."""
     # |c|^p as 2^(p * log2|c|): the vectorised exp2/log2 are ~2x faster than CPU pow with a
     # per-channel exponent, and CPU exp2 ~2.5x faster than exp (log2 0 = -inf -> 2^-inf = 0, as
     # 0^p); ~1 ulp * |p log2|c|| apart from pow
     a = numpy_log2_(c.abs()).mul_(p).exp2_()
     a.copysign_(c)  # signed |x/s|^p (CPU copysign is slow on strided operands: keep contiguous)
     return sign_split(a)
+
+
+def joint_pass(q, k, rows_q, rows_k):
+    """Whether the queries and the keys are one chunk each with the same shape (self-attention
+    without key reduction, off CPU): then their features are computed as one stacked (2, ..)
+    tensor, one pass of each operation for both (:func:`joint_scaled`)."""
+    return q.shape == k.shape and rows_q >= q.shape[-2] and rows_k >= k.shape[-2]
+
+
+def joint_scaled(q, k, inv_scale, k_bias, dtype):
+    """``[q * inv_scale; (k + k_bias) * inv_scale]`` (2, B, h, N, d), contiguous, in ``dtype``
+    (each optional term may be None): both inputs of the feature maps in one buffer."""
+    y = torch.empty((2, ) + tuple(q.shape), dtype=dtype, device=q.device)
+    _scaled_into(q, inv_scale, None, y[0])
+    # the bias in dtype: a sum of two half-precision operands would be rounded to theirs
+    _scaled_into(k, inv_scale, None if k_bias is None else k_bias.to(dtype), y[1])
+    return y
 
 
 def _scaled_into(x, inv_scale, bias, c):
@@ -173,21 +195,31 @@ def polarity_forward(q, k, v, p, eps, inv_scale, k_bias, rows=None):
     n = k.shape[-2]
     d_s = (d + 1) // 2
     work = promote_types(p.dtype, core_dtype(q, k, v))
-    kv = ks = None
-    step = chunk_rows(k, rows)
-    for i in range(0, n, step):
-        sl = slice(i, min(i + step, n))
-        f = polarity_features(k[:, :, sl].to(work), p, inv_scale, token_slice(k_bias, sl, n, work))
-        kv = token_gram(f, v[:, :, sl].to(work), acc=kv)
-        s = f.sum(dim=-2).unsqueeze(-1)
-        ks = s if ks is None else ks.add_(s)
-        del f
+    step_k, step_q = chunk_rows(k, rows), chunk_rows(q, rows)
+    fq = None
+    if joint_pass(q, k, step_q, step_k):  # one pass of the feature maps for q and k
+        fq, fk = _features_of_scaled(joint_scaled(q, k, inv_scale, k_bias, work), p).unbind(0)
+        kv = token_gram(fk, v.to(work))
+        ks = fk.sum(dim=-2).unsqueeze(-1)
+        del fk
+    else:
+        kv = ks = None
+        for i in range(0, n, step_k):
+            sl = slice(i, min(i + step_k, n))
+            f = polarity_features(k[:, :, sl].to(work), p, inv_scale,
+                                  token_slice(k_bias, sl, n, work))
+            kv = token_gram(f, v[:, :, sl].to(work), acc=kv)
+            s = f.sum(dim=-2).unsqueeze(-1)
+            ks = s if ks is None else ks.add_(s)
+            del f
     w = joined_query_weights(kv, ks, n)
     out = heads_buffer(q, N, w.dtype)
-    step = chunk_rows(q, rows)
-    for i in range(0, N, step):
-        sl = slice(i, min(i + step, N))
-        r = polarity_features(q[:, :, sl].to(work), p, inv_scale) @ w
+    for i in range(0, N, step_q):
+        sl = slice(i, min(i + step_q, N))
+        if fq is None:
+            r = polarity_features(q[:, :, sl].to(work), p, inv_scale) @ w
+        else:
+            r, fq = fq @ w, None
         if d_s * 2 != d:  # odd head dim: unequal halves
             num, den = r[..., :d], r[..., d:].add_(eps)
             out[:, :, sl] = torch.cat([num[..., :d_s] / den[..., :1],
