@@ -63,6 +63,16 @@ reference`` runs plain autograd of the reference forms). The peak memory is that
 step: everything autograd keeps for the backward, the gradients and the backward's temporaries
 (the weights, the input and the gradients' previous values not counted).
 
+``--device meta`` (with ``--mode train``, float32) runs the training steps on ``meta`` tensors:
+shapes only, nothing computed, on a machine without a GPU. The models take the paths they take
+on a GPU (one chunk, the sums over the tokens in parts), and the tool reports the operations of
+a step (``--count-ops``, :class:`linattn_mm.utils.OperationCounter`) and its peak of live tensor
+storage (:class:`~linattn_mm.utils.PeakMemoryCounter` counting meta tensors: what the GPU path
+keeps alive, without the caching allocator's rounding), no time. ``F.scaled_dot_product_attention``
+runs there as the fused memory-efficient kernel a GPU runs in float32
+(``aten._scaled_dot_product_efficient_attention``, whose shapes torch knows on meta): its
+decomposition would count the (N, N) attention matrices of the global softmax stages.
+
 ``--mode core`` times the attention core alone on random ``q, k, v`` of shape (batch, heads,
 H*W, head dims) in ``--dtype`` (real tensors of that dtype, not autocast), with the temperature and
 a position encoding as in the module (``--impls`` among ``triton``, ``torch``, ``reference``). It
@@ -73,6 +83,7 @@ a fraction of the device's peak (``--peak-bw`` in GB/s, or known for H100 / H200
 ``--impls`` among ``triton``, ``torch``, ``reference``).
 """
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -391,11 +402,18 @@ def model_train_step(model, inputs, samples):
     return loss
 
 
+META_MEMORY = 'PeakMemoryCounter on meta (live tensors of the GPU path)'
+
+
 def peak_memory(run, device):
     """Peak bytes allocated by one forward (or training step) and how they were measured."""
     if hasattr(run, 'clear'):
         run.clear()
     gc.collect()
+    if device.type == 'meta':
+        with PeakMemoryCounter(include_meta=True) as mem:
+            out = run()
+        return out, mem.peak_bytes, META_MEMORY
     if device.type == 'cuda':
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -500,8 +518,8 @@ def parse_args(argv=None):
     p.add_argument('--peak-bw', type=float, help='--mode core: device peak bandwidth, GB/s')
     p.add_argument('--count-ops', action='store_true',
                    help='also count the ATen operations (views excluded) of one more step of '
-                        'each target; with --device meta only that (shapes only: the paths a '
-                        'model takes off CPU, with no GPU)')
+                        'each target; with --device meta always, next to the peak of live '
+                        'tensors (shapes only: the paths a model takes off CPU, with no GPU)')
     p.add_argument('--json', help='write all results to this JSON file')
     p.add_argument('--plot', help='write a log-log plot of time and peak memory vs pixels')
     return p.parse_args(argv)
@@ -520,8 +538,38 @@ def _randomise_pola(model, seed):
                     torch.randn(m.positional_encoding.shape, generator=g) * 0.3)
 
 
+@contextlib.contextmanager
+def fused_attention_on_meta():
+    """``F.scaled_dot_product_attention`` of ``meta`` tensors as the fused memory-efficient kernel
+    (``aten._scaled_dot_product_efficient_attention``, the one a GPU runs in float32; torch knows
+    its shapes on meta, and its backward), where torch would run the decomposition on meta (the
+    (N, N) attention matrix and its softmax: operations and memory a GPU does not spend); other
+    devices as before."""
+    sdpa = F.scaled_dot_product_attention
+
+    def call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+             enable_gqa=False):
+        if query.device.type != 'meta' or enable_gqa:
+            return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                        is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, attn_mask, grad, dropout_p, is_causal, scale=scale)[0]
+    F.scaled_dot_product_attention = call
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = sdpa
+
+
 def main(argv=None):
     args = parse_args(argv)
+    with (fused_attention_on_meta() if torch.device(args.device).type == 'meta'
+          else contextlib.nullcontext()):
+        return _main(args)
+
+
+def _main(args):
     if args.list:
         for k, (_, desc) in BACKBONES.items():
             print(f'{k:22s} {desc}')
@@ -538,7 +586,8 @@ def main(argv=None):
                          '--mode core does not take it')
     ac = {'fp32': None, 'bf16': torch.bfloat16, 'fp16': torch.float16}[args.dtype]
     torch.manual_seed(args.seed)
-    mem_note = 'cuda max_memory_allocated' if device.type == 'cuda' else 'PeakMemoryCounter'
+    mem_note = {'cuda': 'cuda max_memory_allocated', 'meta': META_MEMORY}.get(device.type,
+                                                                           'PeakMemoryCounter')
     print(f'# torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, '
           f'dtype {args.dtype}, batch {args.batch}, warmup {args.warmup}, repeats {args.repeats}'
           f' (median), peak memory: {mem_note}'
@@ -672,16 +721,16 @@ def main(argv=None):
                              max_abs_diff_vs_first_impl=diff,
                              max_abs_output=None if device.type == 'meta' else max_abs(out),
                              operations=ops)
-                    if device.type == 'meta':  # nothing computed: no time, no memory
-                        r.update(latency_ms=None, times_ms=[], img_per_s=None, peak_mem_mb=None,
-                                 peak_mem_method=None)
+                    if device.type == 'meta':  # nothing computed: no time
+                        r.update(latency_ms=None, times_ms=[], img_per_s=None)
                     results.append(r)
                     extra = '' if diff is None else (f'  max|diff| vs {impls[0]} = {diff:.3g} '
                                                      f'(max|out| {r["max_abs_output"]:.3g})')
                     if ops is not None:
                         extra = f'  {ops:6d} ops' + extra
-                    if device.type == 'meta':  # no time, no memory: operations only
-                        emit(bar, f'{name:28s} {impl:9s} {hw[0]:5d}x{hw[1]:<5d} {ops:6d} ops')
+                    if device.type == 'meta':  # no time: operations and memory
+                        emit(bar, f'{name:28s} {impl:9s} {hw[0]:5d}x{hw[1]:<5d} {ops:6d} ops  '
+                             f'peak {peak / 2**20:9.1f} MB')
                         del out
                         continue
                     emit(bar, f'{name:28s} {impl:9s} {hw[0]:5d}x{hw[1]:<5d} {med * 1e3:10.1f} ms '
@@ -706,7 +755,8 @@ def main(argv=None):
     for spec in args.compare or []:
         only, base_name = _compare_spec(spec)
         if device.type == 'meta':
-            print(f'\n# operations per step: this / {base_name}')
+            print(f'\n# operations per step and peak memory (live tensors of the GPU path): '
+                  f'this / {base_name}')
         else:
             print(f'\n# time ratios: {base_name} / this (> 1 means faster than {base_name}); peak '
                   f'memory ratios: this / {base_name} (< 1 means leaner)')
@@ -723,12 +773,14 @@ def main(argv=None):
                     r['operations_ratio_vs_' + base_name] = ops_ratio
                     ops = f'; operations {ops_ratio:.2f}x ({r["operations"]} / ' \
                           f'{base[0]["operations"]})'
+                mem = r['peak_mem_mb'] / max(base[0]['peak_mem_mb'], 1e-9)
                 if device.type == 'meta':
+                    r['memory_ratio_vs_' + base_name] = mem
                     print(f'{r["target"]:28s} {r["impl"]:9s} {r["size"][0]}x{r["size"][1]}: '
-                          f'{ops[2:]}')
+                          f'{ops[2:]}; memory {mem:.2f}x ({r["peak_mem_mb"]:.0f} / '
+                          f'{base[0]["peak_mem_mb"]:.0f} MB)')
                     continue
                 ratio = base[0]['latency_ms'] / r['latency_ms']
-                mem = r['peak_mem_mb'] / max(base[0]['peak_mem_mb'], 1e-9)
                 r['speedup_vs_' + base_name] = ratio
                 r['memory_ratio_vs_' + base_name] = mem
                 print(f'{r["target"]:28s} {r["impl"]:9s} {r["size"][0]}x{r["size"][1]}: '
@@ -736,7 +788,7 @@ def main(argv=None):
                       f'memory {mem:.2f}x ({r["peak_mem_mb"]:.0f} / '
                       f'{base[0]["peak_mem_mb"]:.0f} MB){ops}')
 
-    # scaling summary (not on meta: no times, no memory)
+    # scaling summary (not on meta: no times)
     by = {}
     for r in results if device.type != 'meta' else []:
         by.setdefault((r['target'], r['impl']), []).append(r)

@@ -33,14 +33,20 @@ __all__ = ['PeakMemoryCounter']
 class PeakMemoryCounter(TorchDispatchMode):
     """Track live and peak bytes of tensor storages allocated while the mode is active.
 
+    Args:
+        include_meta (bool): count ``meta`` tensors too (shapes only, nothing allocated: the
+            bytes the same computation keeps alive on a device, e.g. a model's GPU path measured
+            without a GPU). Default False: meta tensors are not counted.
+
     Attributes:
         live_bytes (int): bytes of storages created in the context that are still alive.
         peak_bytes (int): the largest ``live_bytes`` observed after any op.
         num_allocations (int): number of distinct storages recorded.
     """
 
-    def __init__(self):
+    def __init__(self, include_meta=False):
         super().__init__()
+        self.include_meta = include_meta
         self.live_bytes = 0
         self.peak_bytes = 0
         self.num_allocations = 0
@@ -55,9 +61,8 @@ class PeakMemoryCounter(TorchDispatchMode):
         if entry is not None:
             self.live_bytes -= entry[1]
 
-    @staticmethod
-    def _storage(t):
-        if not isinstance(t, torch.Tensor) or t.device.type == 'meta':
+    def _storage(self, t):
+        if not isinstance(t, torch.Tensor) or (t.device.type == 'meta' and not self.include_meta):
             return None
         try:
             return t.untyped_storage()

@@ -118,8 +118,9 @@ def test_set_impl_switches_the_ffn_with_the_mixers():
 
 def test_train_mode_counts_operations_on_cpu_and_meta(tmp_path, capsys):
     """``--count-ops``: the operations of one more training step next to its time and memory;
-    ``--device meta``: the operations only, of the paths taken off CPU, with ratios against the
-    baseline; other dtypes than float32 are refused there (meta tensors have no autocast)."""
+    ``--device meta``: the operations and the peak of live tensors of the paths taken off CPU (no
+    time), with ratios against the baseline; other dtypes than float32 are refused there (meta
+    tensors have no autocast)."""
     cpu, meta = tmp_path / 'cpu.json', tmp_path / 'meta.json'
     TOOL['main'](['--mode', 'train', 'pola-swin-t', 'swin-t', '--sizes', '64x96', '--warmup',
                   '0', '--repeats', '1', '--count-ops', '--json', str(cpu)])
@@ -130,8 +131,33 @@ def test_train_mode_counts_operations_on_cpu_and_meta(tmp_path, capsys):
                   'meta', '--warmup', '0', '--repeats', '1', '--compare', 'swin-t', '--json',
                   str(meta)])
     text = capsys.readouterr().out
-    got = {r['target']: r['operations'] for r in load(meta)['results']}
+    rows = {r['target']: r for r in load(meta)['results']}
+    got = {t: r['operations'] for t, r in rows.items()}
     assert got['pola-swin-t'] > 1000 and got['swin-t'] > 1000
+    assert all(r['latency_ms'] is None and r['peak_mem_mb'] > 500 for r in rows.values())
+    mem = rows['pola-swin-t']['peak_mem_mb'] / rows['swin-t']['peak_mem_mb']
     assert f'operations {got["pola-swin-t"] / got["swin-t"]:.2f}x' in text
+    assert f'memory {mem:.2f}x' in text
     with pytest.raises(SystemExit, match='float32 training steps only'):
         TOOL['main'](['--mode', 'train', 'swin-t', '--device', 'meta', '--dtype', 'bf16'])
+
+
+def test_fused_attention_on_meta_runs_the_fused_kernel_and_restores_sdpa():
+    """On meta, the tool's softmax attention is the fused kernel of a GPU (one operation each way,
+    no (N, N) matrix: the peak of live tensors is that of q, k, v, the output and its
+    log-sum-exp), elsewhere the original function; the original is back afterwards."""
+    import torch
+    import torch.nn.functional as F
+    from linattn_mm.utils import OperationCounter, PeakMemoryCounter
+    sdpa = F.scaled_dot_product_attention
+    q, k, v = (torch.randn(1, 2, 4096, 32, device='meta', requires_grad=True) for _ in range(3))
+    with TOOL['fused_attention_on_meta']():
+        with OperationCounter() as ops, PeakMemoryCounter(include_meta=True) as mem:
+            F.scaled_dot_product_attention(q, k, v).sum().backward()
+        x = torch.randn(1, 1, 5, 4)
+        assert torch.equal(F.scaled_dot_product_attention(x, x, x), sdpa(x, x, x))
+    assert F.scaled_dot_product_attention is sdpa
+    assert ops.by_name['_scaled_dot_product_efficient_attention'] == 1
+    assert ops.by_name['_scaled_dot_product_efficient_attention_backward'] == 1
+    assert 'bmm' not in ops.by_name and '_softmax' not in ops.by_name
+    assert mem.peak_bytes < 4096 * 4096 * 4  # one head's attention matrix would be 64 MiB

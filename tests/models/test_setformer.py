@@ -55,6 +55,29 @@ def test_peak_memory_counter_known_allocations():
     assert mem.live_bytes == 40_000 + 25_600
 
 
+def test_peak_memory_counter_on_meta_tensors_counts_what_the_same_steps_keep():
+    """``include_meta``: the shapes-only run of a computation has the peak and live bytes of the
+    same computation on CPU; by default meta tensors are not counted."""
+    def steps(device):
+        w = torch.randn(100, 100, requires_grad=True, device=device)
+        x = torch.randn(64, 100, device=device)
+        t = torch.empty(1000, 1000, device=device)
+        del t
+        (x @ w).relu().sum().backward()
+        return w
+
+    peaks = {}
+    for device, kw in (('cpu', {}), ('meta', dict(include_meta=True))):
+        with PeakMemoryCounter(**kw) as mem:
+            w = steps(device)
+        peaks[device] = (mem.peak_bytes, mem.live_bytes)
+        del w
+    assert peaks['meta'] == peaks['cpu'] and peaks['cpu'][0] == 4_000_000 + 40_000 + 25_600
+    with PeakMemoryCounter() as mem:
+        steps('meta')
+    assert mem.peak_bytes == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Sinkhorn
 # ---------------------------------------------------------------------------------------------
