@@ -5,7 +5,7 @@ import functools
 import numpy as np
 import torch
 
-__all__ = ['grad_needed', 'promote_types', 'sign_split', 'sign_split_dot', 'linear_into', 'chunked_layer_setup', 'MIN_CHUNK_ROWS',
+__all__ = ['grad_needed', 'promote_types', 'into', 'sign_split', 'sign_split_dot', 'linear_into', 'chunked_layer_setup', 'MIN_CHUNK_ROWS',
            'numpy_log2_', 'NUMPY_LOG2_MAX_THREADS', 'core_dtype', 'no_autocast', 'autocast_on',
            'token_chunk_rows', 'TOKEN_CHUNK_ELEMENTS', 'TOKEN_MIN_ROWS', 'add_or_take',
            'token_gram', 'token_gram_parts', 'TOKENS_PER_GRAM_PART', 'in_dtype_of',
@@ -192,14 +192,23 @@ def chunked_layer_setup(name, x, num_heads, rows, default_rows, chunk_elements, 
     return B, N, C, d, rows
 
 
+def into(fn, out, *args, **kwargs):
+    """``fn(*args, out=out, **kwargs)``: the result written into ``out``, a view of a larger
+    buffer (no new one). While ``torch.compile`` traces, which takes no ``out=`` view that is not
+    contiguous, ``out.copy_(fn(*args, **kwargs))``, which the compiler fuses."""
+    if torch.compiler.is_compiling():
+        return out.copy_(fn(*args, **kwargs))
+    return fn(*args, out=out, **kwargs)
+
+
 def sign_split(c):
     """``[relu(c), relu(-c)]`` (..., 2d) of a signed tensor ``c`` (..., d), written into one new
     contiguous buffer with two ops (``clamp_min``, then ``relu(c) - c == relu(-c)``, exact).
     Forward form: ``out=`` writes make no autograd graph."""
     d = c.shape[-1]
     out = torch.empty(*c.shape[:-1], 2 * d, dtype=c.dtype, device=c.device)
-    pos = torch.clamp_min(c, 0, out=out[..., :d])
-    torch.sub(pos, c, out=out[..., d:])
+    pos = into(torch.clamp_min, out[..., :d], c, 0)
+    into(torch.sub, out[..., d:], pos, c)
     return out
 
 
@@ -225,10 +234,9 @@ def numpy_log2_(t):
     about 1 ns an element); ``log2(0)`` is ``-inf`` either way, without numpy's divide-by-zero
     warning. Tensor subclasses (fake tensors of tracing and export), other devices and code being
     compiled run torch's op."""
-    if (type(t) is torch.Tensor and t.device.type == 'cpu'
-            and t.dtype in (torch.float32, torch.float64)
-            and torch.get_num_threads() <= NUMPY_LOG2_MAX_THREADS
-            and not torch.compiler.is_compiling()):
+    if (not torch.compiler.is_compiling() and type(t) is torch.Tensor
+            and t.device.type == 'cpu' and t.dtype in (torch.float32, torch.float64)
+            and torch.get_num_threads() <= NUMPY_LOG2_MAX_THREADS):
         a = t.numpy()
         with np.errstate(divide='ignore', invalid='ignore'):
             np.log2(a, out=a)

@@ -85,20 +85,20 @@ def window_layout(H, W, ws, shift, device):
     and split into ws x ws windows. Returns ``(idx, holes, inv, inv_holes)``: ``idx`` (Hp*Wp, )
     the token of every window position (window by window, -1 on the padding), ``holes`` the
     padding's positions, ``inv`` (H*W, ) the window position of every token, ``inv_holes`` empty
-    (for :class:`~linattn_mm.ops.lean_layers.GatherTokens`, both ways). On the ``meta`` device
-    (shapes only) the layout is made on CPU and moved. Made once per arguments
-    (:func:`~linattn_mm.models.utils.constants.shape_constant`): not to be modified."""
-    if torch.device(device).type == 'meta':
-        return tuple(t.to(device) for t in window_layout(H, W, ws, shift, 'cpu'))
+    (for :class:`~linattn_mm.ops.lean_layers.GatherTokens`, both ways). Made once per arguments
+    (:func:`~linattn_mm.models.utils.constants.shape_constant`): not to be modified. Every shape
+    is known from the arguments (the positions are sorted, not selected by ``nonzero``), so the
+    layout is made on ``meta`` too and traced by ``torch.compile`` without a break."""
     Hp, Wp = H + (-H) % ws, W + (-W) % ws
     ys = (torch.arange(Hp, device=device) + shift) % Hp
     xs = (torch.arange(Wp, device=device) + shift) % Wp
     grid = ys[:, None] * W + xs[None, :]
     grid = grid.masked_fill((ys[:, None] >= H) | (xs[None, :] >= W), -1)
     idx = window_partition(grid.view(1, Hp, Wp, 1), ws).reshape(-1)
-    holes = (idx < 0).nonzero().flatten()
+    # the padding's positions first, then the tokens', each in increasing order (a stable sort)
+    order = torch.argsort((idx >= 0).to(torch.int32), stable=True)
+    holes, real = order[:Hp * Wp - H * W], order[Hp * Wp - H * W:]
     inv = torch.empty(H * W, dtype=torch.long, device=device)
-    real = (idx >= 0).nonzero().flatten()
     inv[idx[real]] = real
     return idx, holes, inv, holes.new_empty(0)
 

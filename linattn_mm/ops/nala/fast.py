@@ -27,7 +27,7 @@ NormAwareAttention` and of the inference forms. Results equal the reference up t
 """
 import torch
 
-from ..common import numpy_log2_, sign_split, token_gram
+from ..common import into, numpy_log2_, sign_split, token_gram
 from .reference import apply_rope
 
 __all__ = ['nala_forward', 'key_matrix', 'rope_turn', 'rotate_pairs', 'RotatePairs']
@@ -68,10 +68,11 @@ class RotatePairs(torch.autograd.Function):
 
 def rotate_pairs(x, sin, cos):
     """The RoPE rotation of ``x`` through :class:`RotatePairs` for float32 / float64 ``x`` and
-    tables of its dtype; other dtypes (torch has no bfloat16 complex numbers) through
+    tables of its dtype; other dtypes (torch has no bfloat16 complex numbers), and code that
+    ``torch.compile`` traces (which fuses the rotate-half itself), through
     :func:`~linattn_mm.ops.nala.reference.apply_rope`."""
     if x.dtype not in (torch.float32, torch.float64) or sin.dtype != x.dtype \
-            or cos.dtype != x.dtype:
+            or cos.dtype != x.dtype or torch.compiler.is_compiling():
         return apply_rope(x, sin, cos)
     return RotatePairs.apply(x, sin, cos)
 
@@ -120,8 +121,8 @@ def _with_rope(f, sin, cos):
     D, d = f.shape[-1], cos.shape[-1]
     out = torch.empty(*f.shape[:-1], 2 * D, dtype=f.dtype, device=f.device)
     f2 = f.unflatten(-1, (D // d, d))
-    torch.mul(f2, cos.unsqueeze(-2), out=out[..., :D].unflatten(-1, (D // d, d)))
-    torch.mul(f2, sin.unsqueeze(-2), out=out[..., D:].unflatten(-1, (D // d, d)))
+    into(torch.mul, out[..., :D].unflatten(-1, (D // d, d)), f2, cos.unsqueeze(-2))
+    into(torch.mul, out[..., D:].unflatten(-1, (D // d, d)), f2, sin.unsqueeze(-2))
     return out
 
 
@@ -153,4 +154,4 @@ def nala_forward(q, k, v, power, eps, sin, cos, query_power=None):
     num = fq @ w
     B, h, N, d = num.shape
     out = torch.empty(B, N, h, d, dtype=num.dtype, device=num.device).transpose(1, 2)
-    return torch.div(num, den.add_(eps), out=out), w, k_mean
+    return into(torch.div, out, num, den.add_(eps)), w, k_mean

@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from ..common import numpy_log2_, sign_split, sign_split_dot, token_gram
+from ..common import into, numpy_log2_, sign_split, sign_split_dot, token_gram
 from ..common import in_dtype_of as _to
 from .fast import (_scaled_into, chunk_rows, heads_buffer, joint_pass, joint_scaled,
                    polarity_forward, token_slice)
@@ -63,7 +63,8 @@ class _PowerTerms:
         dy = (g * self.p).div_(self.y).masked_fill_(zero, 0.)
         dp = g.mul_(self.log2).masked_fill_(zero, 0.)  # times ln 2 once summed
         if self.inv_scale is not None:
-            dx = torch.mul(dy, self.inv_scale, out=out)
+            dx = torch.mul(dy, self.inv_scale) if out is None else into(torch.mul, out, dy,
+                                                                         self.inv_scale)
         else:
             dx = dy if out is None else out.copy_(dy)
         d_inv = None
@@ -82,13 +83,13 @@ def _output_grad(r, grad, eps):
     dr = torch.empty_like(r)
     dnum, dden = dr[..., :d], dr[..., d:]
     if 2 * d_s == d:  # even d: the two streams as one (.., 2, d / 2) view
-        torch.div(grad.unflatten(-1, (2, d_s)), den.unsqueeze(-1),
-                  out=dnum.unflatten(-1, (2, d_s)))
-        torch.sum((dnum * num).unflatten(-1, (2, d_s)), -1, out=dden)
+        into(torch.div, dnum.unflatten(-1, (2, d_s)), grad.unflatten(-1, (2, d_s)),
+             den.unsqueeze(-1))
+        into(torch.sum, dden, (dnum * num).unflatten(-1, (2, d_s)), -1)
     else:
         for t, c in enumerate((slice(0, d_s), slice(d_s, d))):
-            torch.div(grad[..., c], den[..., t:t + 1], out=dnum[..., c])
-            torch.sum(dnum[..., c] * num[..., c], -1, keepdim=True, out=dden[..., t:t + 1])
+            into(torch.div, dnum[..., c], grad[..., c], den[..., t:t + 1])
+            into(torch.sum, dden[..., t:t + 1], dnum[..., c] * num[..., c], -1, keepdim=True)
     dden.div_(den).neg_()
     return dr
 

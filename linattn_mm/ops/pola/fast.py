@@ -34,8 +34,8 @@ float64, gradients included).
 """
 import torch
 
-from ..common import (MIN_CHUNK_ROWS, core_dtype, numpy_log2_, promote_types, sign_split,
-                      token_gram)
+from ..common import (MIN_CHUNK_ROWS, core_dtype, into, numpy_log2_, promote_types,
+                      sign_split, token_gram)
 
 __all__ = ['polarity_features', 'polarity_forward', 'joined_query_weights', 'chunk_rows',
            'heads_buffer', 'token_slice', 'joint_pass', 'joint_scaled', 'TRAIN_CHUNK_ELEMENTS']
@@ -126,8 +126,8 @@ def _normalise_into(r, eps, out):
     same-signed stream (column ``d`` is its denominator), the rest the opposite-signed one."""
     d = r.shape[-1] - 2
     num, den = r[..., :d], r[..., d:].add_(eps)
-    torch.div(num.unflatten(-1, (2, d // 2)), den.unsqueeze(-1),
-              out=out.unflatten(-1, (2, d // 2)))
+    into(torch.div, out.unflatten(-1, (2, d // 2)), num.unflatten(-1, (2, d // 2)),
+         den.unsqueeze(-1))
     return out
 
 
