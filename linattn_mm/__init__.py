@@ -9,6 +9,7 @@ it only while it loads (:func:`linattn_mm.checkpoint.safe_globals`).
 from .version import __version__
 from . import models  # noqa: F401  (registers attentions and backbones)
 from . import checkpoint  # noqa: F401  (registers SafeGlobalsHook)
+from . import compile_hook  # noqa: F401  (registers CompileBackboneHook)
 from .registry import ATTENTIONS, MODELS, register_downstream
 
 register_downstream()

@@ -520,6 +520,10 @@ def parse_args(argv=None):
                    help='also count the ATen operations (views excluded) of one more step of '
                         'each target; with --device meta always, next to the peak of live '
                         'tensors (shapes only: the paths a model takes off CPU, with no GPU)')
+    p.add_argument('--compile', nargs='?', const='inductor', default=None, metavar='BACKEND',
+                   help='--mode train, backbones: torch.compile each backbone (backend inductor, '
+                        'or the one named) and time its compiled steps; the warm-up steps '
+                        'compile')
     p.add_argument('--json', help='write all results to this JSON file')
     p.add_argument('--plot', help='write a log-log plot of time and peak memory vs pixels')
     return p.parse_args(argv)
@@ -581,6 +585,11 @@ def _main(args):
     if device.type == 'meta' and (args.mode != 'train' or args.dtype != 'fp32'):
         raise SystemExit('--device meta counts the operations of float32 training steps only '
                          '(--mode train, --dtype fp32: meta tensors have no autocast)')
+    if args.compile and (args.mode != 'train' or args.part == 'model' or device.type == 'meta'
+                         or args.warmup < 1):
+        raise SystemExit('--compile times compiled training steps of backbones (--mode train, '
+                         'not --part model, not on meta) and needs --warmup 1 or more: the first '
+                         'step compiles')
     if args.count_ops and args.mode == 'core':
         raise SystemExit('--count-ops counts the operations of a model or layer step; '
                          '--mode core does not take it')
@@ -623,7 +632,10 @@ def _main(args):
             if args.mode == 'train' and not train_model:
                 def call_train_bb(m, hw):
                     x = torch.randn(args.batch, 3, *hw, device=device)
-                    return _train_runner(lambda: train_step(m, x), device, ac, m)
+                    # compiled: the forward (and with it the backward) of the module, traced at
+                    # the first step; the parameters and their gradients are the module's
+                    mc = torch.compile(m, backend=args.compile) if args.compile else m
+                    return _train_runner(lambda: train_step(mc, x), device, ac, m)
                 jobs.append((t, lambda t=t: build_backbone(t), call_train_bb))
             elif train_model:
                 def build_train_m(t=t):

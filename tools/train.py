@@ -4,6 +4,9 @@ Same flags as the stock OpenMMLab ``tools/train.py``:
     python tools/train.py CONFIG [--work-dir DIR] [--amp] [--auto-scale-lr] [--resume [CKPT]]
                                  [--cfg-options k=v ...] [--launcher none|pytorch|slurm|mpi]
 
+``--compile-backbone [BACKEND]`` trains with the backbone under ``torch.compile``
+(``linattn_mm.CompileBackboneHook``).
+
 ``--demo`` runs CONFIG on the generated demo data with the demo schedule (``linattn_mm.demo``).
 """
 import argparse
@@ -24,6 +27,9 @@ def parse_args(argv=None):
     p.add_argument('--resume', nargs='?', type=str, const='auto',
                    help='resume from CKPT, or from the latest checkpoint in the work dir if no '
                    'path is given')
+    p.add_argument('--compile-backbone', nargs='?', const='inductor', default=None,
+                   metavar='BACKEND', help='train with the backbone under torch.compile (backend '
+                   'inductor, or the one named; linattn_mm.CompileBackboneHook)')
     return parse_with_common(add_common_args(p), argv)
 
 
@@ -55,6 +61,9 @@ def main(argv=None):
     elif args.resume is not None:
         cfg.resume = True
         cfg.load_from = args.resume
+    if args.compile_backbone:
+        cfg.custom_hooks = list(cfg.get('custom_hooks', [])) + [
+            dict(type='linattn_mm.CompileBackboneHook', backend=args.compile_backbone)]
     apply_launcher_defaults(cfg)
     runner = build_runner(cfg)
     try:

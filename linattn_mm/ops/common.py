@@ -18,11 +18,18 @@ def grad_needed(*tensors):
         isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
-@functools.lru_cache(maxsize=None)
 def promote_types(a, b):
     """``torch.promote_types(a, b)``, remembered: the torch function is an operator call (a trip
     through the dispatcher, counted by :class:`~linattn_mm.utils.OperationCounter`), and the
-    cores ask it for the same few pairs of dtypes in every call."""
+    cores ask it for the same few pairs of dtypes in every call (while ``torch.compile`` traces:
+    the torch function, a constant there)."""
+    if torch.compiler.is_compiling():
+        return torch.promote_types(a, b)
+    return _promote_types(a, b)
+
+
+@functools.lru_cache(maxsize=None)
+def _promote_types(a, b):
     return torch.promote_types(a, b)
 
 

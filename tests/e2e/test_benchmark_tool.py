@@ -161,3 +161,25 @@ def test_fused_attention_on_meta_runs_the_fused_kernel_and_restores_sdpa():
     assert ops.by_name['_scaled_dot_product_efficient_attention_backward'] == 1
     assert 'bmm' not in ops.by_name and '_softmax' not in ops.by_name
     assert mem.peak_bytes < 4096 * 4096 * 4  # one head's attention matrix would be 64 MiB
+
+
+def test_train_mode_times_compiled_backbones(tmp_path):
+    """``--compile BACKEND``: the backbones' training steps compiled (the warm-up step traces
+    them); the compiled step has the eager step's loss. Only training steps of backbones, with a
+    warm-up step, are compiled; other uses are refused with a message that says so."""
+    out = {}
+    for tag, extra in (('eager', []), ('compiled', ['--compile', 'aot_eager'])):
+        js = tmp_path / f'{tag}.json'
+        TOOL['main'](['--mode', 'train', 'pola-swin-t', '--sizes', '64x96', '--warmup', '1',
+                      '--repeats', '1', '--json', str(js)] + extra)
+        data = load(js)
+        out[tag] = data['results'][0]
+        assert data['args']['compile'] == (extra[1] if extra else None)
+    assert out['compiled']['latency_ms'] > 0
+    loss = out['eager']['max_abs_output']  # a training step's output: its loss (same seed)
+    assert abs(out['compiled']['max_abs_output'] - loss) <= 1e-5 * loss
+    for argv in (['--mode', 'backbone', 'swin-t', '--compile'],
+                 ['--mode', 'train', 'swin-t', '--compile', '--warmup', '0'],
+                 ['--mode', 'train', 'swin-t', '--compile', '--device', 'meta']):
+        with pytest.raises(SystemExit, match='--compile times compiled training steps'):
+            TOOL['main'](argv)

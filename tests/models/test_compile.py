@@ -54,3 +54,51 @@ def test_training_step_compiles_in_one_graph_with_the_eager_gradients(name):
     assert len(grads['compiled']) == len(grads['eager']) > 2
     for i, (a, b) in enumerate(zip(grads['compiled'], grads['eager'])):
         assert a.dtype == b.dtype == torch.float64 and rel(a, b) < 1e-10, (i, rel(a, b))
+
+
+def test_compile_backbone_keeps_the_state_dict_and_the_gradients():
+    """``compile_backbone`` (and the hook that calls it when training starts) compiles the
+    backbone of a (possibly wrapped) model in place: the state dict keys stay, a second call
+    leaves it as it is, the gradients are the eager ones; a model without a backbone gets a clear
+    error."""
+    import torch.nn as nn
+
+    from linattn_mm.compile_hook import CompileBackboneHook, compile_backbone
+
+    class Detector(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.backbone = FAMILIES['pola-swin']().eval().double()
+
+        def forward(self, x):
+            return sum(o.square().mean() for o in self.backbone(x))
+
+    class Wrapped(nn.Module):  # as DDP: the model under .module
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    class Runner:
+        def __init__(self, model):
+            self.model = model
+            self.logger = type('L', (), {'info': staticmethod(lambda msg: None)})()
+
+    torch.manual_seed(0)
+    det = Detector()
+    keys = list(det.state_dict())
+    x = torch.randn(1, 3, 64, 96, dtype=torch.float64)
+    det(x).backward()
+    eager = [p.grad.clone() for p in det.parameters() if p.grad is not None]
+    CompileBackboneHook(backend='aot_eager').before_train(Runner(Wrapped(det)))
+    compiled = det.backbone.forward
+    assert compile_backbone(det, backend='aot_eager') is det.backbone
+    assert det.backbone.forward is compiled and list(det.state_dict()) == keys
+    det.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        det(x).backward()
+    got = [p.grad for p in det.parameters() if p.grad is not None]
+    assert len(got) == len(eager) and all(rel(a, b) < 1e-10 for a, b in zip(got, eager))
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match='has no backbone module to compile'):
+        compile_backbone(nn.Linear(2, 2))

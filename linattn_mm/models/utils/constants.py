@@ -18,15 +18,22 @@ def shape_constant(maxsize):
     The result is made with inference mode off, so that a table first made under
     ``torch.inference_mode()`` (an inference run) can be saved for backward by a later training
     step; autograd does not track it (no input requires grad). Callers must not modify it in
-    place: every later call gets the same tensors."""
+    place: every later call gets the same tensors. While ``torch.compile`` traces, ``fn`` itself is
+    traced (a cache is not something the compiler can trace)."""
     def wrap(fn):
         @functools.lru_cache(maxsize=maxsize)
-        @functools.wraps(fn)
         def cached(*args, **kwargs):
             with torch.inference_mode(False):
                 return fn(*args, **kwargs)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if torch.compiler.is_compiling():  # traced into the graph (the compiler's constants)
+                return fn(*args, **kwargs)
+            return cached(*args, **kwargs)
+        call.cache_clear, call.cache_info = cached.cache_clear, cached.cache_info
         _CACHED.append(cached)
-        return cached
+        return call
     return wrap
 
 
