@@ -175,6 +175,14 @@ TABLE = {
                'run by the dist_train cases)'),
     'srun -p PARTITION --ntasks=16 --gres=gpu:8 python tools/train.py CONFIG --launcher slurm':
         Exempt('needs a SLURM cluster (srun)'),
+    'python tools/train.py CONFIG --compile-backbone':
+        Exempt('inductor generates and builds the code of the training graphs: 21 minutes for '
+               'one backbone on 2 cores; the next command takes the same path with the aot_eager '
+               "backend (the graphs the compiler receives), and tests/models/test_compile.py "
+               "checks every family's graph and gradients"),
+    'python tools/train.py CONFIG --compile-backbone aot_eager':
+        Run('train_compile', 'CONFIG: the Pola-Swin-T Mask R-CNN config and --demo, the '
+            '--cfg-options of short_run_options, --work-dir tmp'),
     'python tools/train.py CONFIG --amp':
         Exempt("needs a GPU: mmengine's AmpOptimWrapper asserts CUDA (tests/models/test_amp.py "
                'runs the same autocast and loss scaling on CPU)'),
@@ -239,7 +247,7 @@ TABLE = {
         Run('benchmark_scale_heap', '--sizes 64 96 --warmup 0 --repeats 1; --json -> tmp'),
     'python tools/benchmark.py --mode train swin-t pola-swin-t nalaformer-t pvt-t pola-pvt-t '
     '--sizes 800x1344 --device meta --warmup 0 --repeats 1 --compare swin-t pola-pvt-t:pvt-t':
-        Run('benchmark_operations', 'as written (meta tensors: counts only, a few seconds)'),
+        Run('benchmark_operations', 'as written (meta tensors: shapes only, a few seconds)'),
     'python tools/benchmark.py --mode train pola-swin-t swin-t nalaformer-t nalaformer-t-linear '
     'linattn-swin-t --sizes 800x1344 --batch 1 --threads 1 --warmup 1 --repeats 5 --compare swin-t '
     'pola-swin-t:linattn-swin-t':
@@ -563,6 +571,21 @@ def case_pretrain_finetune(sh, tmp_path):
     _last_checkpoint(det_work)
 
 
+def case_train_compile(sh, tmp_path):
+    """The backbone is compiled when training starts (the hook's log line) and the iteration
+    trains; the checkpoint has the backbone's usual keys."""
+    cmd = 'python tools/train.py CONFIG --compile-backbone aot_eager'
+    config = 'configs/polaformer/mask-rcnn_pola-swin-t_fpn_1x_coco.py'
+    train_opts, _, _ = _cfg_options(osp.join(REPO, config), demo=True)
+    work = str(tmp_path / 'work')
+    out = sh(cmd, doc_argv(cmd, replace={'CONFIG': config},
+                           append=['--demo', '--work-dir', work, '--cfg-options'] + train_opts))
+    assert "The backbone is compiled (torch.compile {'backend': 'aot_eager'})" in out, out[-3000:]
+    assert 'Saving checkpoint' in out, out[-3000:]
+    assert any(k.startswith('backbone.layers.0.blocks.0.attn.')
+               for k in _state_dict_keys(_last_checkpoint(work)))
+
+
 def case_dist_train_config(sh, tmp_path):
     cmd = 'bash tools/dist_train.sh CONFIG 8'
     config = 'configs/pvtv2/pvtv2-b0_in1k.py'
@@ -729,26 +752,36 @@ def case_benchmark_scale_heap(sh, tmp_path):
 
 
 def case_benchmark_operations(sh, tmp_path):
-    """The counts printed are those of the table in docs/benchmarks.md ("Operations per training
-    step"), the ratios too."""
+    """The counts and the peaks printed are those of the tables in docs/benchmarks.md
+    ("Operations and memory per training step, as on a GPU"), the ratios too."""
     cmd = ('python tools/benchmark.py --mode train swin-t pola-swin-t nalaformer-t pvt-t '
            'pola-pvt-t --sizes 800x1344 --device meta --warmup 0 --repeats 1 --compare swin-t '
            'pola-pvt-t:pvt-t')
     out = sh(cmd, doc_argv(cmd))
     with open(osp.join(REPO, 'docs', 'benchmarks.md'), encoding='utf-8') as f:
         doc = f.read()
-    row = re.search(r'^\| \+ the softmax stages.*\(\*\*0\.6\.5\*\*\) \| (\d+) \| \*\*(\d+) '
-                    r'\(([\d.]+)×\)\*\* \| \*\*(\d+) \(([\d.]+)×\)\*\* \| (\d+) \| \*\*(\d+) '
-                    r'\(([\d.]+)×\)\*\* \|$', doc, re.M)
-    assert row, 'the 0.6.5 row of the operations table'
+    row = re.search(r'^\| the same, softmax attention counted as the fused kernel \(\*\*0\.6\.6'
+                    r'\*\*, the command above\) \| (\d+) \| \*\*(\d+) \(([\d.]+)×\)\*\* \| '
+                    r'\*\*(\d+) \(([\d.]+)×\)\*\* \| (\d+) \| \*\*(\d+) \(([\d.]+)×\)\*\* \|$',
+                    doc, re.M)
+    assert row, 'the 0.6.6 row of the operations table'
     swin, pola, r_pola, nala, r_nala, pvt, pola_pvt, r_pvt = row.groups()
+    mem = re.search(r'^\| meta, 0\.6\.6, batch 1 \| ([\d.]+) MB \| ([\d.]+) MB \(([\d.]+)×\) \| '
+                    r'([\d.]+) MB \(([\d.]+)×\) \| ([\d.]+) MB \| ([\d.]+) MB \(([\d.]+)× PVT-T', doc,
+                    re.M)
+    assert mem, 'the batch-1 row of the memory table'
+    peaks = dict(zip(('swin-t', 'pola-swin-t', 'nalaformer-t', 'pvt-t', 'pola-pvt-t'),
+                     mem.group(1, 2, 4, 6, 7)))
     for name, n in (('swin-t', swin), ('pola-swin-t', pola), ('nalaformer-t', nala),
                     ('pvt-t', pvt), ('pola-pvt-t', pola_pvt)):
-        assert re.search(rf'^{name}\s+\S+\s+800x1344\s+{n} ops$', out, re.M), (name, out[-3000:])
-    for name, n, base, r in (('pola-swin-t', pola, swin, r_pola),
-                             ('nalaformer-t', nala, swin, r_nala),
-                             ('pola-pvt-t', pola_pvt, pvt, r_pvt)):
+        assert re.search(rf'^{name}\s+\S+\s+800x1344\s+{n} ops  peak\s+{peaks[name]} MB$', out,
+                         re.M), (name, out[-3000:])
+    for name, n, base, r, m in (('pola-swin-t', pola, swin, r_pola, mem.group(3)),
+                                ('nalaformer-t', nala, swin, r_nala, mem.group(5)),
+                                ('pola-pvt-t', pola_pvt, pvt, r_pvt, mem.group(8))):
         assert f'800x1344: operations {r}x ({n} / {base})' in out, (name, out[-3000:])
+        assert re.search(rf'^{name}\s.*800x1344: operations {r}x .*; memory {m}x', out, re.M), \
+            (name, out[-3000:])
 
 
 def case_benchmark_train_backbones(sh, tmp_path):
