@@ -25,7 +25,9 @@ def compile_backbone(model, **options):
     """Compile ``model.backbone``'s forward with ``torch.compile(**options)`` (the model may be
     wrapped for distributed training: its ``module`` is taken). The compiled forward is set on
     the backbone instance, so its parameters, its state dict keys and the checkpoints stay as
-    they are; a backbone already compiled is left as it is. Returns the backbone."""
+    they are; a backbone already compiled is left as it is. Returns the backbone. The compiled
+    forward is bound to this backbone: compile a copy of the model (``copy.deepcopy``) on its own,
+    not by copying a compiled one."""
     inner = getattr(model, 'module', model)
     backbone = getattr(inner, 'backbone', None)
     if not isinstance(backbone, torch.nn.Module):

@@ -73,6 +73,11 @@ runs there as the fused memory-efficient kernel a GPU runs in float32
 (``aten._scaled_dot_product_efficient_attention``, whose shapes torch knows on meta): its
 decomposition would count the (N, N) attention matrices of the global softmax stages.
 
+``--compile [BACKEND]`` (``--mode train``, backbones) compiles each backbone with
+``torch.compile`` (``inductor`` by default) and times its compiled training steps; the warm-up
+steps compile. Off CUDA no peak memory is reported for them (the CPU counter is a dispatch mode,
+under which the step would run eager).
+
 ``--mode core`` times the attention core alone on random ``q, k, v`` of shape (batch, heads,
 H*W, head dims) in ``--dtype`` (real tensors of that dtype, not autocast), with the temperature and
 a position encoding as in the module (``--impls`` among ``triton``, ``torch``, ``reference``). It
@@ -586,9 +591,10 @@ def _main(args):
         raise SystemExit('--device meta counts the operations of float32 training steps only '
                          '(--mode train, --dtype fp32: meta tensors have no autocast)')
     if args.compile and (args.mode != 'train' or args.part == 'model' or device.type == 'meta'
-                         or args.warmup < 1):
+                         or args.warmup < 1 or args.count_ops):
         raise SystemExit('--compile times compiled training steps of backbones (--mode train, '
-                         'not --part model, not on meta) and needs --warmup 1 or more: the first '
+                         'not --part model, not on meta, without --count-ops: a compiled step '
+                         'runs eager under the counter) and needs --warmup 1 or more: the first '
                          'step compiles')
     if args.count_ops and args.mode == 'core':
         raise SystemExit('--count-ops counts the operations of a model or layer step; '
@@ -724,6 +730,9 @@ def _main(args):
                 first_out = meas[f'{name} | {impls[0]}'][2]
                 for impl in impls:
                     med, times, out, peak, how, ops = meas[f'{name} | {impl}']
+                    if args.compile and device.type != 'cuda':
+                        # the counter is a dispatch mode, under which dynamo runs the step eager
+                        peak, how = float('nan'), 'not measured (compiled, off CUDA)'
                     diff = None if impl == impls[0] or device.type == 'meta' else max_abs_diff(
                         first_out, out)
                     r = dict(target=name, impl=impl, size=list(hw), pixels=hw[0] * hw[1],

@@ -175,11 +175,13 @@ def test_train_mode_times_compiled_backbones(tmp_path):
         data = load(js)
         out[tag] = data['results'][0]
         assert data['args']['compile'] == (extra[1] if extra else None)
-    assert out['compiled']['latency_ms'] > 0
+    assert out['compiled']['latency_ms'] > 0 and out['eager']['peak_mem_mb'] > 0
+    assert out['compiled']['peak_mem_mb'] != out['compiled']['peak_mem_mb']  # NaN: not measured
     loss = out['eager']['max_abs_output']  # a training step's output: its loss (same seed)
     assert abs(out['compiled']['max_abs_output'] - loss) <= 1e-5 * loss
     for argv in (['--mode', 'backbone', 'swin-t', '--compile'],
                  ['--mode', 'train', 'swin-t', '--compile', '--warmup', '0'],
-                 ['--mode', 'train', 'swin-t', '--compile', '--device', 'meta']):
+                 ['--mode', 'train', 'swin-t', '--compile', '--device', 'meta'],
+                 ['--mode', 'train', 'swin-t', '--compile', '--count-ops']):
         with pytest.raises(SystemExit, match='--compile times compiled training steps'):
             TOOL['main'](argv)

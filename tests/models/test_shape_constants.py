@@ -78,3 +78,17 @@ def test_training_step_off_cpu_takes_nothing_from_the_host(name):
     with HostTensors() as seen:
         loss_of(model(x)).backward()
     assert seen.hits == []
+
+
+def test_a_table_made_under_a_fake_tensor_mode_is_not_kept():
+    """Under a fake tensor mode (tracing, export) a table is made as a fake tensor and not cached:
+    the next real call gets a real one."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from linattn_mm.models.attentions.softmax import shift_window_mask
+    clear_shape_constants()
+    with FakeTensorMode():
+        fake = shift_window_mask(14, 14, 7, 3, torch.device('cpu'), torch.float32)
+    real = shift_window_mask(14, 14, 7, 3, torch.device('cpu'), torch.float32)
+    assert isinstance(fake, FakeTensor) and type(real) is torch.Tensor
+    assert real.shape == (4, 49, 49) and set(real.unique().tolist()) == {0., -100.}

@@ -19,7 +19,8 @@ def shape_constant(maxsize):
     ``torch.inference_mode()`` (an inference run) can be saved for backward by a later training
     step; autograd does not track it (no input requires grad). Callers must not modify it in
     place: every later call gets the same tensors. While ``torch.compile`` traces, ``fn`` itself is
-    traced (a cache is not something the compiler can trace)."""
+    traced (a cache is not something the compiler can trace), and under a fake tensor mode
+    ``fn`` runs uncached (its result is a fake tensor)."""
     def wrap(fn):
         @functools.lru_cache(maxsize=maxsize)
         def cached(*args, **kwargs):
@@ -28,13 +29,21 @@ def shape_constant(maxsize):
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            if torch.compiler.is_compiling():  # traced into the graph (the compiler's constants)
+            # traced into the graph while compiling (the compiler's constants); under a fake
+            # tensor mode the result is a fake tensor, not to be kept for real calls
+            if torch.compiler.is_compiling() or _fake_mode_active():
                 return fn(*args, **kwargs)
             return cached(*args, **kwargs)
         call.cache_clear, call.cache_info = cached.cache_clear, cached.cache_info
         _CACHED.append(cached)
         return call
     return wrap
+
+
+def _fake_mode_active():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    return any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
 
 
 def clear_shape_constants():

@@ -124,17 +124,18 @@ class PolarityAttention(torch.autograd.Function):
 
     The backward runs over chunks of tokens: the query pass recomputes ``[q+ | q-]`` and ``r``
     for a chunk, writes its part of dq and accumulates the gradient of ``[W+; W-]``; the key pass
-    then does the same for k and v. No full-size temporary is made besides the gradients.
-    Where q and k are one chunk each of the same shape (self-attention without key reduction, the
-    default off CPU: :func:`~linattn_mm.ops.pola.fast.joint_pass`), the forward and the backward
-    compute the features of both as one stacked (2, B, h, N, 2d) tensor: each elementwise step
-    is one operation for both (on a GPU at batch 1 the host's launches set the pace), the same
-    products as the loops.
+    then does the same for k and v. With several chunks no full-size temporary is made besides
+    the gradients. Where q and k are one chunk each of the same shape (self-attention without key
+    reduction: the default off CPU, and on CPU for maps up to a chunk;
+    :func:`~linattn_mm.ops.pola.fast.joint_pass`), the forward and the backward compute the
+    features of both as one stacked (2, B, h, N, 2d) tensor: each elementwise step is one
+    operation for both (on a GPU at batch 1 the host's launches set the pace), the same products
+    as the loops, with full-size temporaries (as any one-chunk pass).
 
     The core computes in the wider of ``p``'s dtype and float32 (float64 for float64 q, k, v).
     q, k, v and ``k_bias`` may come in a lower precision (the projections under autocast): they
-    are kept for backward as they are, not as float32 copies, cast chunk by chunk both ways, and
-    get their gradients in their own dtypes."""
+    are kept for backward as they are, not as float32 copies, cast as they are read (chunk by
+    chunk in the loops), and get their gradients in their own dtypes."""
 
     @staticmethod
     def forward(ctx, q, k, v, p, eps, inv_scale, k_bias, rows):

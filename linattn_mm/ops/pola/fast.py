@@ -71,8 +71,9 @@ def _features_of_scaled(c, p):
 
 def joint_pass(q, k, rows_q, rows_k):
     """Whether the queries and the keys are one chunk each with the same shape (self-attention
-    without key reduction, off CPU): then their features are computed as one stacked (2, ..)
-    tensor, one pass of each operation for both (:func:`joint_scaled`)."""
+    without key reduction: off CPU always, on CPU for maps up to a chunk): then their features are
+    computed as one stacked (2, ..) tensor, one pass of each operation for both
+    (:func:`joint_scaled`)."""
     return q.shape == k.shape and rows_q >= q.shape[-2] and rows_k >= k.shape[-2]
 
 
@@ -189,8 +190,9 @@ def polarity_forward(q, k, v, p, eps, inv_scale, k_bias, rows=None):
     :func:`joined_query_weights`) that gives both streams' numerators and denominators. It
     computes in the wider of the dtypes of ``p`` and of :func:`~linattn_mm.ops.common.core_dtype`
     of q, k, v: q, k, v and ``k_bias`` may come in a lower precision (half precision under
-    autocast) and are cast chunk by chunk. Returns the output (a (B, h, N, d) view of a
-    (B, N, h, d) buffer) and ``W`` (B, h, 2d, d + 2)."""
+    autocast) and are cast chunk by chunk. Where q and k are one chunk each of the same shape
+    (:func:`joint_pass`), both feature maps are one stacked pass instead of the two loops. Returns
+    the output (a (B, h, N, d) view of a (B, N, h, d) buffer) and ``W`` (B, h, 2d, d + 2)."""
     B, h, N, d = q.shape
     n = k.shape[-2]
     d_s = (d + 1) // 2
