@@ -14,9 +14,8 @@ training starts (``tools/train.py --compile-backbone``)::
 """
 import torch
 from mmengine.hooks import Hook
-from mmengine.registry import HOOKS as MMENGINE_HOOKS
 
-from linattn_mm.registry import HOOKS
+from linattn_mm.registry import register_hook
 
 __all__ = ['compile_backbone', 'CompileBackboneHook']
 
@@ -38,7 +37,7 @@ def compile_backbone(model, **options):
     return backbone
 
 
-@HOOKS.register_module()
+@register_hook
 class CompileBackboneHook(Hook):
     """:func:`compile_backbone` of the runner's model before training starts; the arguments are
     those of ``torch.compile`` (``backend``, ``mode``, ``dynamic``, ...). The first iterations
@@ -53,7 +52,3 @@ class CompileBackboneHook(Hook):
         runner.logger.info(f'The backbone is compiled (torch.compile {self.options or ""}); the '
                            f'first iterations compile.')
 
-
-if 'CompileBackboneHook' not in MMENGINE_HOOKS.module_dict:
-    # also under its plain name in mmengine's root registry (never force=True)
-    MMENGINE_HOOKS.register_module(module=CompileBackboneHook)

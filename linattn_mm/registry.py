@@ -21,7 +21,7 @@ ATTENTIONS = Registry('linattn attention', scope='linattn_mm',
                       locations=['linattn_mm.models.attentions'])
 #: runner hooks of the package (``type='linattn_mm.SafeGlobalsHook'`` in a config)
 HOOKS = Registry('hook', parent=MMENGINE_HOOKS, scope='linattn_mm',
-                 locations=['linattn_mm.checkpoint.hook'])
+                 locations=['linattn_mm.checkpoint.hook', 'linattn_mm.compile_hook'])
 
 #: downstream library -> module holding its model registry
 DOWNSTREAM_REGISTRIES = {
@@ -39,6 +39,17 @@ def register_backbone(cls):
     registries."""
     MODELS.register_module(module=cls)
     _BACKBONES.append(cls)
+    return cls
+
+
+def register_hook(cls):
+    """Class decorator: register a runner hook in linattn_mm's ``HOOKS``
+    (``type='linattn_mm.NAME'``) and under its plain name in mmengine's root registry, which
+    mmdet / mmseg / mmpretrain configs fall back to; a plain name taken by another package is
+    left to it (never ``force=True``)."""
+    HOOKS.register_module(module=cls)
+    if cls.__name__ not in MMENGINE_HOOKS.module_dict:
+        MMENGINE_HOOKS.register_module(module=cls)
     return cls
 
 

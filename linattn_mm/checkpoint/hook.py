@@ -16,16 +16,15 @@ checkpoint loading of the run, not the training itself.
 import contextlib
 
 from mmengine.hooks import Hook
-from mmengine.registry import HOOKS as MMENGINE_HOOKS
 
-from linattn_mm.registry import HOOKS
+from linattn_mm.registry import register_hook
 
 from .allowlist import safe_globals
 
 __all__ = ['SafeGlobalsHook']
 
 
-@HOOKS.register_module()
+@register_hook
 class SafeGlobalsHook(Hook):
     """Allow-list :data:`~linattn_mm.checkpoint.SAFE_GLOBALS` for ``torch.load`` from
     ``before_run`` until the train / val / test loop starts (then torch's allow-list is as before).
@@ -47,8 +46,3 @@ class SafeGlobalsHook(Hook):
 
     before_train = before_val = before_test = after_run = _leave
 
-
-if 'SafeGlobalsHook' not in MMENGINE_HOOKS.module_dict:
-    # also under its plain name in mmengine's root registry (which mmdet / mmseg / mmpretrain
-    # configs fall back to); a name taken by another package is left to it (never force=True)
-    MMENGINE_HOOKS.register_module(module=SafeGlobalsHook)

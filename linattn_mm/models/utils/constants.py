@@ -5,6 +5,7 @@ copy that waits for the GPU)."""
 import functools
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 __all__ = ['shape_constant', 'clear_shape_constants']
 
@@ -41,9 +42,11 @@ def shape_constant(maxsize):
 
 
 def _fake_mode_active():
+    modes = _get_current_dispatch_mode_stack()
+    if not modes:  # the common case: no mode, nothing to import
+        return False
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-    return any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
+    return any(isinstance(m, FakeTensorMode) for m in modes)
 
 
 def clear_shape_constants():

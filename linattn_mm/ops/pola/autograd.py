@@ -211,7 +211,7 @@ def _grads(q, k, v, p, k_bias, need, dq, dk, dv, acc, want_p, want_inv):
 
 def _joint_backward(q, k, v, p, inv_scale, k_bias, w, grad, eps, need):
     """The backward in one pass when q and k are one chunk each with the same shape
-    (:func:`~linattn_mm.ops.pola.fast.joint_pass`; self-attention off CPU): the features of both
+    (:func:`~linattn_mm.ops.pola.fast.joint_pass`): the features of both
     are recomputed as one stacked (2, B, h, N, 2d) tensor and their gradients taken back through
     the powers as one, each operation one pass for both. The same products as the chunk loops.
     Returns dq, dk, dv (working dtype; dk None when neither k nor its bias needs one) and the
