@@ -109,7 +109,7 @@ from linattn_mm.models.attentions.pola import PolaLinearAttention
 from linattn_mm.models.utils.layers import TransformerBlock
 from linattn_mm.models.backbones.nalaformer import NaLaBlock
 from linattn_mm.ops.common import no_autocast
-from linattn_mm.utils import OperationCounter, PeakMemoryCounter, use_heap_allocator
+from linattn_mm.utils import PeakMemoryCounter, TrafficCounter, use_heap_allocator
 from linattn_mm.utils.progress import emit, progress_bar
 
 POLA_PVT = dict(type='PolaLinearAttention', qkv_layout='qg_kv', alpha=4, kernel_size=5,
@@ -431,25 +431,39 @@ def peak_memory(run, device):
     return out, mem.peak_bytes, 'PeakMemoryCounter (live tensor storage)'
 
 
-def count_operations(run):
-    """The ATen operations (views excluded) of one more call of ``run``."""
-    with OperationCounter() as ops:
+#: memory bandwidth (bytes/s) and dense peak rates (FLOP/s per dtype) of the GPUs that
+#: ``--roofline`` names, from the vendor's data sheets (SXM parts; no sparsity). float32 matrix
+#: products at the FP32 rate (torch's default: no TF32 for them)
+ROOFLINES = {
+    'h100-sxm': (3.35e12, {torch.float32: 67e12, torch.bfloat16: 989e12, torch.float16: 989e12}),
+    'h200': (4.8e12, {torch.float32: 67e12, torch.bfloat16: 989e12, torch.float16: 989e12}),
+}
+
+
+def count_operations(run, roofline=None):
+    """The ATen operations (views excluded) of one more call of ``run``, the bytes they move and
+    their FLOPs (:class:`~linattn_mm.utils.TrafficCounter`), and with ``roofline`` (a key of
+    :data:`ROOFLINES`) the roofline bound of that GPU's time in seconds (else None)."""
+    with TrafficCounter() as ops:
         out = run()
     del out
-    return ops.total
+    bound = None if roofline is None else ops.roofline_seconds(*ROOFLINES[roofline])
+    return dict(total=ops.total, bytes=ops.bytes_moved, flops=ops.flops, roofline_s=bound)
 
 
-def measure_interleaved(variants, device, warmup, repeats, autocast_dtype, count_ops=False):
+def measure_interleaved(variants, device, warmup, repeats, autocast_dtype, count_ops=False,
+                        roofline=None):
     """Time several variants of one forward in rounds (A, B, C, A, B, C, ...), so that a change of
     the background load on a shared machine hits all of them alike.
 
     Args:
         variants (list[tuple[str, callable, callable]]): (name, activate(), forward()).
-        count_ops (bool): also count the operations of one more call of each.
+        count_ops (bool): also count the operations of one more call of each (and the bytes
+            they move, their FLOPs and with ``roofline`` its bound: :func:`count_operations`).
 
     Returns:
         dict: name -> (median s, times, output of the memory run, peak bytes, method, number
-        of operations or None).
+        counts of :func:`count_operations` or None).
     """
     runs = [(name, act, fn if getattr(fn, 'train', False) else _runner(fn, device, autocast_dtype))
             for name, act, fn in variants]
@@ -471,7 +485,7 @@ def measure_interleaved(variants, device, warmup, repeats, autocast_dtype, count
     for name, act, run in runs:
         act()
         out, peak, how = peak_memory(run, device)
-        ops = count_operations(run) if count_ops else None
+        ops = count_operations(run, roofline) if count_ops else None
         res[name] = (statistics.median(times[name]), times[name], out, peak, how, ops)
     return res
 
@@ -524,7 +538,12 @@ def parse_args(argv=None):
     p.add_argument('--count-ops', action='store_true',
                    help='also count the ATen operations (views excluded) of one more step of '
                         'each target; with --device meta always, next to the peak of live '
-                        'tensors (shapes only: the paths a model takes off CPU, with no GPU)')
+                        'tensors (shapes only: the paths a model takes off CPU, with no GPU); '
+                        'also the GB the operations move and their TFLOP')
+    p.add_argument('--roofline', choices=sorted(ROOFLINES), default=None,
+                   help='with the operations counted: also the roofline bound of the step on '
+                        'that GPU (every operation at least its bytes over the bandwidth and its '
+                        'FLOPs over the peak rate)')
     p.add_argument('--compile', nargs='?', const='inductor', default=None, metavar='BACKEND',
                    help='--mode train, backbones: torch.compile each backbone (backend inductor, '
                         'or the one named) and time its compiled steps; the warm-up steps '
@@ -596,6 +615,9 @@ def _main(args):
                          'not --part model, not on meta, without --count-ops: a compiled step '
                          'runs eager under the counter) and needs --warmup 1 or more: the first '
                          'step compiles')
+    if args.roofline and not (args.count_ops or args.device == 'meta'):
+        raise SystemExit('--roofline bounds the counted operations: give --count-ops, or '
+                         '--device meta (which always counts them)')
     if args.count_ops and args.mode == 'core':
         raise SystemExit('--count-ops counts the operations of a model or layer step; '
                          '--mode core does not take it')
@@ -719,7 +741,8 @@ def _main(args):
                         train=args.mode == 'train')), fn_base))
             try:
                 meas = measure_interleaved(variants, device, args.warmup, args.repeats, ac,
-                                           args.count_ops or device.type == 'meta')
+                                           args.count_ops or device.type == 'meta',
+                                           args.roofline)
             except (RuntimeError, MemoryError) as e:  # e.g. out of memory
                 emit(bar, f'{" ".join(b[0] for b in built)} {hw[0]}x{hw[1]}: FAILED '
                      f'{type(e).__name__}: {str(e)[:200]}')
@@ -741,17 +764,27 @@ def _main(args):
                              peak_mem_mb=peak / 2**20, peak_mem_method=how, params=nparams,
                              max_abs_diff_vs_first_impl=diff,
                              max_abs_output=None if device.type == 'meta' else max_abs(out),
-                             operations=ops)
+                             operations=None if ops is None else ops['total'],
+                             bytes_moved=None if ops is None else ops['bytes'],
+                             flops=None if ops is None else ops['flops'])
+                    if ops is not None and ops['roofline_s'] is not None:
+                        r['roofline_ms'] = ops['roofline_s'] * 1e3
+                        r['roofline_device'] = args.roofline
                     if device.type == 'meta':  # nothing computed: no time
                         r.update(latency_ms=None, times_ms=[], img_per_s=None)
                     results.append(r)
                     extra = '' if diff is None else (f'  max|diff| vs {impls[0]} = {diff:.3g} '
                                                      f'(max|out| {r["max_abs_output"]:.3g})')
+                    traffic = ''
                     if ops is not None:
-                        extra = f'  {ops:6d} ops' + extra
+                        traffic = (f'  {ops["bytes"] / 1e9:7.1f} GB moved  '
+                                   f'{ops["flops"] / 1e12:6.2f} TFLOP')
+                        if 'roofline_ms' in r:
+                            traffic += f'  roofline {args.roofline} {r["roofline_ms"]:.1f} ms'
+                        extra = f'  {ops["total"]:6d} ops' + extra + traffic
                     if device.type == 'meta':  # no time: operations and memory
-                        emit(bar, f'{name:28s} {impl:9s} {hw[0]:5d}x{hw[1]:<5d} {ops:6d} ops  '
-                             f'peak {peak / 2**20:9.1f} MB')
+                        emit(bar, f'{name:28s} {impl:9s} {hw[0]:5d}x{hw[1]:<5d} '
+                             f'{ops["total"]:6d} ops  peak {peak / 2**20:9.1f} MB{traffic}')
                         del out
                         continue
                     emit(bar, f'{name:28s} {impl:9s} {hw[0]:5d}x{hw[1]:<5d} {med * 1e3:10.1f} ms '
@@ -794,6 +827,13 @@ def _main(args):
                     r['operations_ratio_vs_' + base_name] = ops_ratio
                     ops = f'; operations {ops_ratio:.2f}x ({r["operations"]} / ' \
                           f'{base[0]["operations"]})'
+                    moved = r['bytes_moved'] / max(base[0]['bytes_moved'], 1)
+                    r['bytes_ratio_vs_' + base_name] = moved
+                    ops += f'; bytes {moved:.2f}x'
+                    if 'roofline_ms' in r and 'roofline_ms' in base[0]:
+                        bound = r['roofline_ms'] / base[0]['roofline_ms']
+                        r['roofline_ratio_vs_' + base_name] = bound
+                        ops += f'; roofline {bound:.2f}x'
                 mem = r['peak_mem_mb'] / max(base[0]['peak_mem_mb'], 1e-9)
                 if device.type == 'meta':
                     r['memory_ratio_vs_' + base_name] = mem

@@ -1,6 +1,6 @@
 """Utilities shared by tests and benchmarks (no model code)."""
 from .malloc import use_heap_allocator
 from .memory import PeakMemoryCounter
-from .op_counter import OperationCounter
+from .op_counter import OperationCounter, TrafficCounter
 
-__all__ = ['OperationCounter', 'PeakMemoryCounter', 'use_heap_allocator']
+__all__ = ['OperationCounter', 'PeakMemoryCounter', 'TrafficCounter', 'use_heap_allocator']

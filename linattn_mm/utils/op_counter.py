@@ -13,12 +13,18 @@ Example::
     with OperationCounter() as ops:
         model(x).sum().backward()
     print(ops.total, ops.by_name.most_common(5))
+
+:class:`TrafficCounter` also adds up the bytes each operation reads and writes and the FLOPs of
+its matrix products and convolutions: where the kernels are long (batch 8 under autocast) the
+memory traffic and the FLOPs set the pace, and on ``meta`` these too are the GPU path's
+(``tools/benchmark.py --device meta`` prints them, with a roofline bound for a named GPU).
 """
 import collections
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ['OperationCounter']
+__all__ = ['OperationCounter', 'TrafficCounter', 'spanned_bytes']
 
 
 class OperationCounter(TorchDispatchMode):
@@ -40,3 +46,106 @@ class OperationCounter(TorchDispatchMode):
             self.total += 1
             self.by_name[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
+
+
+# operations whose outputs are not written by a kernel (new storage left uninitialised) or that
+# read or write nothing (a scalar read back, autograd's detach)
+_NO_TRAFFIC = frozenset(['empty', 'empty_strided', 'empty_like', 'new_empty', 'new_empty_strided',
+                         '_local_scalar_dense', 'detach', 'lift_fresh', 'set_', 'resize_'])
+# operations that write their outputs without reading their tensor arguments' elements
+_WRITE_ONLY = frozenset(['zeros', 'zeros_like', 'new_zeros', 'ones', 'ones_like', 'new_ones',
+                         'full', 'full_like', 'new_full', 'zero_', 'fill_', 'normal_', 'uniform_',
+                         'bernoulli_', 'randn', 'rand', 'randn_like', 'rand_like', 'arange'])
+
+
+def spanned_bytes(t):
+    """Bytes of the elements a tensor addresses: its size, a broadcast (stride 0) dimension
+    counted once."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if stride != 0:
+            n *= size
+    return n * t.element_size() if t.numel() else 0
+
+
+def _tensors(tree):
+    from torch.utils._pytree import tree_flatten
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def _flops(func, args, kwargs, out):
+    """Floating-point operations of one call by torch's formulas (matrix products, convolutions,
+    fused attention; 0 for the rest). The grouped convolution's backward is counted here: torch's
+    formula leaves out its groups (a depth-wise conv's backward came out ``channels`` times too
+    large)."""
+    from torch.utils.flop_counter import flop_registry
+    name = func.overloadpacket.__name__
+    if name == 'convolution_backward':
+        grad_out, weight, mask = args[0], args[2], args[-1]
+        # the forward's 2 * outputs * (in-channels per group * kernel) per gradient asked for
+        per_grad = 2 * grad_out.numel() * weight[0].numel()
+        return per_grad * (int(bool(mask[0])) + int(bool(mask[1])))
+    formula = flop_registry.get(func.overloadpacket)
+    return 0 if formula is None else int(formula(*args, **(kwargs or {}), out_val=out))
+
+
+class TrafficCounter(OperationCounter):
+    """An :class:`OperationCounter` that also adds up what each operation moves and computes:
+    ``bytes_moved`` (the elements its tensor arguments address plus those of its outputs, each
+    once: the memory traffic of a kernel that reads its inputs and writes its outputs once, a
+    lower bound) and ``flops`` (matrix products, convolutions and fused attention by
+    ``torch.utils.flop_counter``'s formulas). On ``meta`` tensors these are the figures of the
+    GPU path, with nothing computed.
+
+    :meth:`roofline_seconds` turns them into a lower bound of a device's time: every operation at
+    least its bytes over the memory bandwidth and its FLOPs over the peak rate of its dtype.
+
+    Attributes:
+        bytes_moved (int): summed over the operations (views and new uninitialised buffers: 0).
+        flops (int): summed over the operations.
+        records (list[tuple[str, int, int, torch.dtype]]): per operation: name, bytes, FLOPs,
+            dtype of its first tensor argument.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.bytes_moved = 0
+        self.flops = 0
+        self.records = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func.is_view:
+            return out
+        name = func.overloadpacket.__name__
+        ins = _tensors((args, {k: v for k, v in kwargs.items() if k != 'out'}))
+        outs = _tensors(out)
+        if name in _NO_TRAFFIC:
+            nbytes = 0
+        elif name == 'copy_':  # the destination is written, not read
+            nbytes = spanned_bytes(args[1]) + spanned_bytes(args[0])
+        elif name in _WRITE_ONLY:
+            nbytes = sum(spanned_bytes(t) for t in outs)
+        else:
+            nbytes = sum(spanned_bytes(t) for t in ins) + sum(spanned_bytes(t) for t in outs)
+        flops = _flops(func, args, kwargs, out)
+        self.bytes_moved += nbytes
+        self.flops += flops
+        self.records.append((name, nbytes, flops, ins[0].dtype if ins else None))
+        return out
+
+    def roofline_seconds(self, bandwidth, peak_flops):
+        """Lower bound of the time on a device: the sum over operations of
+        ``max(bytes / bandwidth, flops / peak_flops[dtype])``.
+
+        Args:
+            bandwidth (float): memory bandwidth, bytes per second.
+            peak_flops (dict): dtype -> FLOPs per second (``torch.float32`` required: the rate of
+                dtypes not listed).
+        """
+        total = 0.
+        for _, nbytes, flops, dtype in self.records:
+            rate = peak_flops.get(dtype, peak_flops[torch.float32])
+            total += max(nbytes / bandwidth, flops / rate)
+        return total
