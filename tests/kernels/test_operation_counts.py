@@ -1,17 +1,19 @@
 """How many operations the training forms issue off CPU (counted on ``meta`` tensors: shapes only,
 the paths a model takes on a GPU: one chunk, sums over the tokens in parts). At batch 1 a GPU
 training step is paced by the host, one launch per operation; these bounds are the counts of
-version 0.6.6 (``docs/benchmarks.md``, "Operations per training step"), so that a change that
-adds operations to a training form shows here."""
+version 0.6.7 (``docs/benchmarks.md``, "Operations per training step"), so that a change that
+adds operations to a training form shows here. The bytes and FLOPs counted with them
+(``TrafficCounter``) are checked against sums written out by hand."""
 import pytest
 import torch
 
 from linattn_mm.models.attentions.nala import RoPE2d
 from linattn_mm.models.attentions.softmax import WindowSoftmaxAttention
 from linattn_mm.ops.lean_layers import SplitLinear
-from linattn_mm.ops.nala import apply_rope, nala_attention_fast, rotate_pairs
+from linattn_mm.ops.nala import RopeTables, apply_rope, nala_attention_fast, rotate_pairs
+from linattn_mm.ops.nala.fast import _rot_rows, rope_fold
 from linattn_mm.ops.pola import polarity_attention_fast
-from linattn_mm.utils import OperationCounter
+from linattn_mm.utils import OperationCounter, TrafficCounter
 
 META = torch.device('meta')
 
@@ -26,6 +28,85 @@ def test_operation_counter_counts_operations_not_views():
     x, y = torch.randn(4, 3), torch.randn(3, 5)
     ops = count(lambda: (torch.mm(x + 1, y).t().sum(), x.view(3, 4)[1:], x.transpose(0, 1)))
     assert ops.total == 3 and dict(ops.by_name) == {'add': 1, 'mm': 1, 'sum': 1}
+
+
+def test_traffic_counter_bytes_and_flops_by_hand():
+    """Bytes: every tensor argument's addressed elements once (a broadcast dimension once) plus
+    the outputs'; a copy reads its source and writes its destination; a new uninitialised buffer
+    and views move nothing; a fill writes only. FLOPs: 2 m n k for a product."""
+    a, b, w = (torch.empty(s, device=META) for s in ((64, 32), (32, ), (32, 16)))
+    with TrafficCounter() as t:
+        c = a + b  # reads 64*32 + 32, writes 64*32
+        d = a @ w  # reads 64*32 + 32*16, writes 64*16
+        c.copy_(a)  # reads 64*32, writes 64*32
+        e = torch.empty(10, 10, device=META)  # nothing
+        e.fill_(1.)  # writes 100
+        a.t().view(-1, 64)[:3]  # views: not operations
+    assert [r[:3] for r in t.records] == [
+        ('add', (2048 + 32 + 2048) * 4, 0), ('mm', (2048 + 512 + 1024) * 4, 2 * 64 * 32 * 16),
+        ('copy_', 2 * 2048 * 4, 0), ('empty', 0, 0), ('fill_', 100 * 4, 0)]
+    assert t.total == 5 and t.bytes_moved == sum(r[1] for r in t.records)
+    assert t.flops == 2 * 64 * 32 * 16
+    # the roofline: each operation at least its bytes over the bandwidth and its FLOPs over the
+    # rate of its dtype
+    got = t.roofline_seconds(1e9, {torch.float32: 1e6})
+    want = 4128 * 4 / 1e9 + 2 * 64 * 32 * 16 / 1e6 + 4096 * 4 / 1e9 + 400 / 1e9
+    assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_traffic_counter_counts_a_grouped_convolution_backward_by_its_groups():
+    """A depth-wise 3x3 convolution: forward 2 C H W 9 FLOPs, its backward the same once for the
+    input's gradient and once for the weight's (torch's own formula leaves the groups out there
+    and counts C times as many)."""
+    C, H, W = 64, 20, 30
+    x, wt = leaves((1, C, H, W), (C, 1, 3, 3))
+    with TrafficCounter() as t:
+        y = torch.nn.functional.conv2d(x, wt, padding=1, groups=C)
+        y.backward(torch.ones_like(y))
+    fwd = 2 * C * H * W * 9
+    flops = {r[0]: r[2] for r in t.records if r[2]}
+    assert flops == {'convolution': fwd, 'convolution_backward': 2 * fwd}
+
+
+def test_rope_fold_is_the_eight_steps_bit_for_bit_in_three_operations():
+    """The key side's ``[M ; -rot(M)]``, ``M = (A_cos + rot(A_sin)) / n``, as ``(a + Q a) / n``
+    with ``Q`` a signed permutation of the rows: the same bits as the steps written out, in three
+    operations (a row gather, one ``addcmul``, the scale) where they take eight."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64):
+        D, n = 64, 8191
+        a = torch.randn(2, 3, 2 * D, 32, generator=g, dtype=dtype)
+        m = (a[..., :D, :] + _rot_rows(a[..., D:, :])) * (1.0 / n)
+        assert torch.equal(rope_fold(a, n), torch.cat([m, -_rot_rows(m)], dim=-2))
+    a = torch.empty(2, 3, 2 * D, 32, device=META)
+    rope_fold(a, n)  # the row order and signs: made once
+    assert count(lambda: rope_fold(a, n)).total == 3
+
+
+def test_rope_tables_shared_by_q_and_k():
+    """Rotations by the shared tables of a stage (``RopeTables``): bit for bit those of the tables
+    alone, gradients included; the complex tables are made once (two operations), then each
+    tensor takes one product forward and one backward, where alone it takes two and three."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 4, 300, 32, generator=g, dtype=torch.float64)
+    sin, cos = (t.double() for t in RoPE2d(32)((15, 20)))
+    w = torch.randn(2, 4, 300, 32, generator=g, dtype=torch.float64)
+    outs = []
+    for shared in (None, RopeTables(sin, cos)):
+        t = x.clone().requires_grad_()
+        y = rotate_pairs(t, sin, cos, shared)
+        y.backward(w)
+        outs.append((y.detach(), t.grad))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    q, k = leaves((2, 4, 300, 32), (2, 4, 300, 32))
+    sin, cos = RoPE2d(32).to(META)((15, 20))
+    tables = RopeTables(sin, cos)
+    fwd = count(lambda: tables.turns(sin, cos))
+    assert fwd.total == 2  # the turn and its conjugate
+    ys = []
+    fwd = count(lambda: ys.extend([rotate_pairs(q, sin, cos, tables),
+                                   rotate_pairs(k, sin, cos, tables)]))
+    assert fwd.total == 2 and backward_ops(ys).total == 2, (fwd.by_name, backward_ops(ys).by_name)
 
 
 def leaves(*shapes):
@@ -47,7 +128,7 @@ def test_split_projection_backward_is_one_product_each_way():
     assert dict(ops.by_name) == {'cat': 1, 'mm': 1, 'bmm': 1, '_unsafe_view': 1, 'sum': 2}
 
 
-@pytest.mark.parametrize('core,most', [('pola', 90), ('nala', 115), ('nala rope', 147)])
+@pytest.mark.parametrize('core,most', [('pola', 90), ('nala', 107), ('nala rope', 127)])
 def test_core_training_step_operations(core, most):
     """Forward and backward of a core at a stage-1 shape (8192 tokens, 3 heads of 32), after a
     first call."""

@@ -68,8 +68,8 @@ import torch.nn.functional as F
 from linattn_mm.ops.common import autocast_on, core_dtype, no_autocast
 from linattn_mm.ops.dispatch import check_core
 from linattn_mm.ops.lean_layers import NormGatedLinear, depthwise_conv_tokens, split_linear
-from linattn_mm.ops.nala import (KERNELS, apply_rope, nala_attention, nala_feature_maps,
-                                 nala_weights_reference, rotate_pairs)
+from linattn_mm.ops.nala import (KERNELS, RopeTables, apply_rope, nala_attention,
+                                 nala_feature_maps, nala_weights_reference, rotate_pairs)
 from linattn_mm.registry import ATTENTIONS
 from .base import BaseTokenMixer
 
@@ -101,14 +101,16 @@ class RoPE2d(nn.Module):
         self.register_buffer('angle', angle.repeat_interleave(2), persistent=persistent)
 
     def forward(self, hw_shape):
-        """Return ``(sin, cos)``, each ``(H * W, d)``, in the dtype of ``angle``."""
+        """Return ``(sin, cos)``, each ``(H * W, d)``, in the dtype of ``angle`` (a
+        :class:`~linattn_mm.ops.nala.RopeTables`: the layers that share it make its complex
+        tables once)."""
         H, W = hw_shape
         angle = self.angle
         th = torch.arange(H, device=angle.device, dtype=angle.dtype)[:, None] * angle
         tw = torch.arange(W, device=angle.device, dtype=angle.dtype)[:, None] * angle
         theta = torch.cat([th[:, None, :].expand(H, W, -1), tw[None, :, :].expand(H, W, -1)], -1)
         theta = theta.reshape(H * W, -1)
-        return theta.sin(), theta.cos()
+        return RopeTables(theta.sin(), theta.cos())
 
     def extra_repr(self):
         return f'head_dims={self.head_dims}'
@@ -372,11 +374,14 @@ class NaLaSoftmaxAttention(NaLaMixerBase):
         """q and k rotated by the 2-D RoPE (unchanged without it): the reference formula, or
         (``core='fast'``) the same rotation as complex products of the channel pairs
         (:func:`~linattn_mm.ops.nala.fast.rotate_pairs`, fewer operations under autograd)."""
+        if rope is None and self.use_rope:  # this mixer's own tables, for q and k
+            rope = self.rotary(hw_shape)
         sin, cos = self._rope(hw_shape, rope, q.dtype, q.device)
         if sin is None:
             return q, k
-        rotate = apply_rope if self.core == 'reference' else rotate_pairs
-        return rotate(q, sin, cos), rotate(k, sin, cos)
+        if self.core == 'reference':
+            return apply_rope(q, sin, cos), apply_rope(k, sin, cos)
+        return rotate_pairs(q, sin, cos, rope), rotate_pairs(k, sin, cos, rope)
 
     has_attention_weights = True
 

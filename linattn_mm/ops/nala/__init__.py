@@ -20,12 +20,12 @@ numerator features, or None.
 from ..common import core_dtype, grad_needed, no_autocast
 from ..dispatch import check_core
 from .autograd import nala_attention_fast
-from .fast import rope_turn, rotate_pairs
+from .fast import RopeTables, rope_turn, rope_turns, rotate_pairs
 from .reference import (KERNELS, apply_rope, nala_attention_reference, nala_feature_maps,
                         nala_weights_reference, rotate_every_two)
 
 __all__ = ['nala_attention', 'nala_attention_reference', 'nala_attention_fast', 'apply_rope',
-           'rotate_every_two', 'rope_turn', 'rotate_pairs', 'nala_feature_maps',
+           'rotate_every_two', 'RopeTables', 'rope_turn', 'rope_turns', 'rotate_pairs', 'nala_feature_maps',
            'nala_weights_reference', 'KERNELS']
 
 

@@ -36,7 +36,7 @@ import torch
 
 from ..common import core_dtype, kept_input, sign_split, sign_split_dot, token_gram
 from ..common import in_dtype_of as _to
-from .fast import _query_terms, _key_power, _rot_rows, _with_rope, key_matrix, nala_forward
+from .fast import _query_terms, _key_power, _with_rope, key_matrix, nala_forward, rope_fold
 from .reference import nala_attention_reference
 
 __all__ = ['NormAwareAttention', 'RecomputedCore', 'nala_attention_fast']
@@ -56,8 +56,7 @@ def _rope_grad(dF, sin, cos):
     D = dF.shape[-1] // 2
     d = cos.shape[-1]
     top = dF[..., :D].unflatten(-1, (D // d, d)) * cos.unsqueeze(-2)
-    bot = dF[..., D:].unflatten(-1, (D // d, d)) * sin.unsqueeze(-2)
-    return (top + bot).flatten(-2)
+    return top.addcmul_(dF[..., D:].unflatten(-1, (D // d, d)), sin.unsqueeze(-2)).flatten(-2)
 
 
 class NormAwareAttention(torch.autograd.Function):
@@ -102,7 +101,7 @@ class NormAwareAttention(torch.autograd.Function):
         del Fq, dnum
         dfq = _rope_grad(dFq, sin, cos) if rope else dFq
         del dFq
-        dfq += dden * k_mean.unsqueeze(-2)
+        dfq.addcmul_(dden, k_mean.unsqueeze(-2))
         dk_mean = (dden * fq).sum(-2)  # (B, h, 2d)
         del dden
         G = sign_split_dot(dfq, fq)  # dc c, exactly (dfq+ relu(c) + dfq- relu(-c))
@@ -110,10 +109,8 @@ class NormAwareAttention(torch.autograd.Function):
         # keys
         ck = _key_power(k, lam)
         fk = sign_split(ck)
-        if rope:
-            D = dW.shape[-2] // 2
-            dM = dW[..., :D, :] + _rot_rows(dW[..., D:, :])
-            dA = torch.cat([dM, -_rot_rows(dM)], dim=-2) * (1.0 / N)
+        if rope:  # dM = dW_top + rot(dW_bottom), dA = [dM; -rot(dM)] / N: the forward's P
+            dA = rope_fold(dW, N)
             Fk = _with_rope(fk, sin, cos)
         else:
             dA, Fk = dW * (1.0 / N), fk
@@ -122,7 +119,7 @@ class NormAwareAttention(torch.autograd.Function):
         dFk = vv @ dA.transpose(-2, -1)
         del Fk, fk
         dfk = _rope_grad(dFk, sin, cos) if rope else dFk
-        dfk += (dk_mean / N).unsqueeze(-2)
+        dfk.add_(dk_mean.unsqueeze(-2), alpha=1.0 / N)
         if lam > 1:  # d(k^lam)/dk = 0 at k = 0: the branch taken there does not matter (where
             # k^lam underflows to 0 for k != 0, dk is dfk- lam |k|^(lam-1), below 1e-38 in
             # float32, where the reference gives 0)
@@ -135,14 +132,14 @@ class NormAwareAttention(torch.autograd.Function):
         # queries: c = sign(q) 2^(p rel), rel = log2|q| - log2||q||
         zero = q == 0  # G = 0 there: 0 / 0 and 0 * log2(0) are set to 0
         dq = (G * p).div_(q).masked_fill_(zero, 0.)
-        dqn = G.sum(-1, keepdim=True).mul_(p).div_(qn).neg_()  # (B, h, N, 1)
+        # the norm's term -dqn q / ||q||, per token (B, h, N, 1): -dqn = p sum_i G_i / ||q||
+        # [- dp lam (1 - tanh^2 ||q||) for the norm-aware power, 1 - tanh^2 = cosh^-2]
+        neg_dqn = G.sum(-1, keepdim=True).mul_(p).div_(qn)
         if ctx.query_power is None:  # the norm-aware power: p depends on ||q||
-            dp = G.mul_(rel).masked_fill_(zero, 0.).sum(-1, keepdim=True).mul_(_LN2)
-            tanh = (p / lam - 0.5)
-            dqn += dp * lam * (1 - tanh * tanh)
+            dp = G.mul_(rel).masked_fill_(zero, 0.).sum(-1, keepdim=True)  # times ln 2
+            neg_dqn.addcmul_(dp, torch.cosh(qn).pow_(-2), value=-lam * _LN2)
         del G
-        # the norm's term, per token (0 for a zero query)
-        dq.addcmul_(dqn.div_(qn).masked_fill_(qn == 0, 0.), q)
+        dq.addcmul_(neg_dqn.div_(qn).masked_fill_(qn == 0, 0.), q, value=-1.)  # 0: zero query
         return (_to(dq, q0), _to(dk, k0), dv.to(ctx.v_dtype), None, None, None, None, None,
                 None)
 

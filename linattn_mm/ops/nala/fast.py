@@ -28,15 +28,44 @@ NormAwareAttention` and of the inference forms. Results equal the reference up t
 import torch
 
 from ..common import into, numpy_log2_, sign_split, token_gram
+from ..constants import shape_constant
 from .reference import apply_rope
 
-__all__ = ['nala_forward', 'key_matrix', 'rope_turn', 'rotate_pairs', 'RotatePairs']
+__all__ = ['nala_forward', 'key_matrix', 'rope_turn', 'rope_turns', 'rotate_pairs',
+           'RotatePairs', 'RopeTables']
 
 
 def rope_turn(sin, cos):
     """The RoPE angles as unit complex numbers ``cos + i sin``, one per channel pair: (N, d / 2)
     from the (N, d) tables, whose pairs share their angle (RoPE2d repeats each angle twice)."""
     return torch.complex(cos[..., ::2], sin[..., ::2])
+
+
+def rope_turns(sin, cos):
+    """``(turn, conj(turn))``: :func:`rope_turn` and its conjugate (the backward's turn), both
+    made here, for callers that rotate many tensors by one table (a stage's layers: two
+    operations for the stage instead of three for each layer's q and k)."""
+    turn = rope_turn(sin, cos)
+    return turn, turn.conj().resolve_conj()
+
+
+class RopeTables(tuple):
+    """``(sin, cos)`` of a 2-D RoPE for one grid (what ``RoPE2d`` returns), shared by the layers
+    of a stage, which :func:`rotate_pairs` turns into the complex tables of :func:`rope_turns`
+    once for all of them (per dtype and device of the tables it is given). Unpacks as the pair."""
+
+    def __new__(cls, sin, cos):
+        tables = super().__new__(cls, (sin, cos))
+        tables._turns = {}
+        return tables
+
+    def turns(self, sin, cos):
+        """:func:`rope_turns` of ``sin, cos`` (these tables, maybe cast), made on the first call
+        for their dtype and device."""
+        key = (sin.dtype, sin.device)
+        if key not in self._turns:
+            self._turns[key] = rope_turns(sin, cos)
+        return self._turns[key]
 
 
 def _turn_pairs(x, turn):
@@ -53,34 +82,63 @@ class RotatePairs(torch.autograd.Function):
     (equal to it bit for bit on CPU); the backward turns the gradient back by the conjugate. It
     keeps ``sin`` and ``cos`` (the stage's shared tables), not the complex table, and is two
     operations forward and three backward, where the reference's rotate-half takes five and seven
-    (the softmax stages' training form)."""
+    (the softmax stages' training form). With ``turns`` (:func:`rope_turns`, made once for all
+    the tensors a table rotates) it keeps the shared conjugate table instead: one operation each
+    way."""
 
     @staticmethod
-    def forward(ctx, x, sin, cos):
-        ctx.save_for_backward(sin, cos)
-        return _turn_pairs(x, rope_turn(sin, cos))
+    def forward(ctx, x, sin, cos, turns=None):
+        if turns is None:
+            ctx.save_for_backward(sin, cos, None)
+            return _turn_pairs(x, rope_turn(sin, cos))
+        ctx.save_for_backward(None, None, turns[1])
+        return _turn_pairs(x, turns[0])
 
     @staticmethod
     def backward(ctx, grad):
-        sin, cos = ctx.saved_tensors
-        return _turn_pairs(grad, rope_turn(sin, cos).conj()), None, None
+        sin, cos, back = ctx.saved_tensors
+        if back is None:
+            back = rope_turn(sin, cos).conj()
+        return _turn_pairs(grad, back), None, None, None
 
 
-def rotate_pairs(x, sin, cos):
+def rotate_pairs(x, sin, cos, shared=None):
     """The RoPE rotation of ``x`` through :class:`RotatePairs` for float32 / float64 ``x`` and
     tables of its dtype; other dtypes (torch has no bfloat16 complex numbers), and code that
     ``torch.compile`` traces (which fuses the rotate-half itself), through
-    :func:`~linattn_mm.ops.nala.reference.apply_rope`."""
+    :func:`~linattn_mm.ops.nala.reference.apply_rope`. ``shared``: the :class:`RopeTables`
+    ``sin, cos`` come from (maybe cast), whose complex tables are then made once for all the
+    tensors it rotates."""
     if x.dtype not in (torch.float32, torch.float64) or sin.dtype != x.dtype \
             or cos.dtype != x.dtype or torch.compiler.is_compiling():
         return apply_rope(x, sin, cos)
-    return RotatePairs.apply(x, sin, cos)
+    turns = shared.turns(sin, cos) if isinstance(shared, RopeTables) else None
+    return RotatePairs.apply(x, sin, cos, turns)
 
 
 def _rot_rows(m):
     """Row pairs ``(m[2i], m[2i+1]) -> (-m[2i+1], m[2i])`` of (..., R, c) (R even)."""
     m2 = m.unflatten(-2, (-1, 2))
     return torch.stack((-m2[..., 1, :], m2[..., 0, :]), dim=-2).flatten(-3, -2)
+
+
+@shape_constant(maxsize=64)
+def _fold_rows(D, device, dtype):
+    """Row order and signs of :func:`rope_fold`'s second term: ``Q x = sign * x[order]``."""
+    order = torch.arange(2 * D, device=device).view(2, -1, 2).flip(0, 2).flatten()
+    sign = torch.tensor([-1., 1.], dtype=dtype, device=device).repeat(D)
+    sign[D:] *= -1
+    return order, sign.unsqueeze(-1)
+
+
+def rope_fold(a, n):
+    """``P a`` of ``a = [A_cos ; A_sin]`` (..., 2D, c), ``P = [[I, rot], [-rot, I]] / n`` with
+    ``rot`` the row-pair turn of :func:`_rot_rows`: the key side's ``[M ; -rot(M)]``, ``M = (A_cos
+    + rot(A_sin)) / n`` (``rot^2 = -I``); the backward's map from ``dW`` to ``dA`` is the same
+    ``P``. ``P a = (a + Q a) / n`` with ``Q = [[0, rot], [-rot, 0]]`` a signed permutation of the
+    rows: three operations for the eight of the steps written out, the same sums (bit for bit)."""
+    order, sign = _fold_rows(a.shape[-2] // 2, a.device, a.dtype)
+    return torch.addcmul(a, a.index_select(-2, order), sign).mul_(1.0 / n)
 
 
 def _query_terms(q, power, query_power=None):
@@ -133,10 +191,8 @@ def key_matrix(fk, v, sin, cos):
     n = fk.shape[-2]
     if sin is None:
         return token_gram(fk, v).mul_(1.0 / n)
-    D = fk.shape[-1]
     wk = token_gram(_with_rope(fk, sin, cos), v)  # (4d, d)
-    m = (wk[..., :D, :] + _rot_rows(wk[..., D:, :])) * (1.0 / n)
-    return torch.cat([m, -_rot_rows(m)], dim=-2)
+    return rope_fold(wk, n)
 
 
 def nala_forward(q, k, v, power, eps, sin, cos, query_power=None):
