@@ -581,6 +581,12 @@ def fused_attention_on_meta():
             return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        if attn_mask is not None:  # as torch's sdpa does for this kernel: a mask whose strides
+            # are not multiples of 8 elements is copied into a padded one (``preprocess_mask``)
+            if attn_mask.stride(-1) != 1 or any(st % 8 for st in attn_mask.stride()[:-1]):
+                n = attn_mask.shape[-1]
+                attn_mask = F.pad(attn_mask, (0, 8 - n % 8))[..., :n]
+            attn_mask = attn_mask.expand(*query.shape[:-1], key.shape[-2])
         return torch.ops.aten._scaled_dot_product_efficient_attention(
             query, key, value, attn_mask, grad, dropout_p, is_causal, scale=scale)[0]
     F.scaled_dot_product_attention = call

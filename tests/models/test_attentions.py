@@ -83,11 +83,15 @@ def swin_reference(m, x, H, W):
     return out[:, :H, :W].reshape(B, H * W, C)
 
 
+@pytest.mark.parametrize('fused', [False, True])
 @pytest.mark.parametrize('block_idx,hw', [(0, (7, 7)), (1, (7, 7)), (0, (9, 11)), (1, (9, 11)),
                                           (1, (4, 6)), (1, (3, 4))])
-def test_window_attention_matches_direct_swin(block_idx, hw):
+def test_window_attention_matches_direct_swin(block_idx, hw, fused):
+    """Both forms: the steps (CPU's default) and one ``scaled_dot_product_attention`` with the
+    bias as its mask (the default off CPU)."""
     torch.manual_seed(1)
     m = WindowSoftmaxAttention(8, 2, window_size=4, block_idx=block_idx).double().eval()
+    m.fused = fused
     torch.nn.init.normal_(m.relative_position_bias_table, std=1.0)
     assert m.shift_size == (2 if block_idx % 2 else 0)
     H, W = hw
@@ -95,13 +99,15 @@ def test_window_attention_matches_direct_swin(block_idx, hw):
     torch.testing.assert_close(m(x, hw), swin_reference(m, x, H, W), rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize('fused', [False, True])
 @pytest.mark.parametrize('block_idx,hw', [(0, (9, 11)), (1, (9, 11)), (1, (7, 7)), (1, (3, 4))])
-def test_window_attention_gradients_match_direct_swin(block_idx, hw):
+def test_window_attention_gradients_match_direct_swin(block_idx, hw, fused):
     """The gradients of the input and of the projections (the qkv bias gets those of the
     padding too) equal those through the direct per-window implementation (which reads the
-    bias table as a constant)."""
+    bias table as a constant), in both forms."""
     torch.manual_seed(2)
     m = WindowSoftmaxAttention(8, 2, window_size=4, block_idx=block_idx).double()
+    m.fused = fused
     torch.nn.init.normal_(m.relative_position_bias_table, std=1.0)
     H, W = hw
     x = torch.randn(2, H * W, 8, dtype=torch.float64, requires_grad=True)
@@ -115,6 +121,31 @@ def test_window_attention_gradients_match_direct_swin(block_idx, hw):
             m.qkv.weight, m.qkv.bias, m.proj.weight, m.proj.bias)])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize('block_idx,hw', [(0, (9, 11)), (1, (9, 11)), (1, (7, 7)), (1, (3, 4))])
+def test_window_attention_fused_form_equals_the_steps(block_idx, hw):
+    """One ``scaled_dot_product_attention`` with the relative position bias (and each window's
+    shift mask) as its mask, against the steps: outputs and the gradients of every parameter, the
+    bias table's included, float64 to 1e-10; batch 3, so that the per-window masks of shifted
+    windows repeat over the images."""
+    torch.manual_seed(3)
+    m = WindowSoftmaxAttention(8, 2, window_size=4, block_idx=block_idx).double().train()
+    torch.nn.init.normal_(m.relative_position_bias_table, std=1.0)
+    H, W = hw
+    x = torch.randn(3, H * W, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, H * W, 8, dtype=torch.float64)
+    res = []
+    for fused in (False, True):
+        m.fused = fused
+        m.zero_grad()
+        x.grad = None
+        y = m(x, hw)
+        (y * w).sum().backward()
+        res.append([y.detach(), x.grad.clone()] + [p.grad.clone() for p in m.parameters()])
+    assert res[1][2].abs().sum() > 0  # the bias table's gradient (the first parameter)
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize('block_idx,hw', [(0, (9, 11)), (1, (9, 11)), (1, (7, 7)), (1, (4, 6))])
@@ -225,3 +256,22 @@ def test_token_map_views_are_channels_last(B):
     assert m.stride() == (6 * 7 * 5, 1, 7 * 5, 5)
     assert torch.equal(m[:, :, 2, 3], x[:, 2 * 7 + 3])
     assert torch.equal(nchw_to_nlc(m), x)
+
+
+def test_window_attention_form_by_device(monkeypatch):
+    """By default the windows attend step by step on CPU and through one fused
+    ``scaled_dot_product_attention`` elsewhere (``meta`` here: the GPU path), whose mask is one
+    (B*nW, h, n, n) sum for shifted windows."""
+    import linattn_mm.models.attentions.softmax as softmax_mod
+    masks = []
+    sdpa = softmax_mod.F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        masks.append(tuple(attn_mask.shape))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+    monkeypatch.setattr(softmax_mod.F, 'scaled_dot_product_attention', spy)
+    for device, want in (('cpu', []), ('meta', [(2 * 9, 2, 16, 16)])):
+        m = WindowSoftmaxAttention(8, 2, window_size=4, block_idx=1).to(device)
+        m(torch.randn(2, 9 * 11, 8, device=device), (9, 11))
+        assert masks == want, device
+        masks.clear()
