@@ -246,7 +246,8 @@ TABLE = {
     '1024 2048 --threads 1 --warmup 1 --repeats 2 --heap-malloc --json scale_heap.json':
         Run('benchmark_scale_heap', '--sizes 64 96 --warmup 0 --repeats 1; --json -> tmp'),
     'python tools/benchmark.py --mode train swin-t pola-swin-t nalaformer-t pvt-t pola-pvt-t '
-    '--sizes 800x1344 --device meta --warmup 0 --repeats 1 --compare swin-t pola-pvt-t:pvt-t':
+    '--sizes 800x1344 --device meta --warmup 0 --repeats 1 --compare swin-t pola-pvt-t:pvt-t '
+    '--roofline h200':
         Run('benchmark_operations', 'as written (meta tensors: shapes only, a few seconds)'),
     'python tools/benchmark.py --mode train pola-swin-t swin-t nalaformer-t nalaformer-t-linear '
     'linattn-swin-t --sizes 800x1344 --batch 1 --threads 1 --warmup 1 --repeats 5 --compare swin-t '
@@ -752,36 +753,45 @@ def case_benchmark_scale_heap(sh, tmp_path):
 
 
 def case_benchmark_operations(sh, tmp_path):
-    """The counts and the peaks printed are those of the tables in docs/benchmarks.md
-    ("Operations and memory per training step, as on a GPU"), the ratios too."""
+    """The counts, the peaks, the bytes and the roofline bounds printed are those of the tables in
+    docs/benchmarks.md ("Operations and memory per training step, as on a GPU"), the ratios
+    too."""
     cmd = ('python tools/benchmark.py --mode train swin-t pola-swin-t nalaformer-t pvt-t '
            'pola-pvt-t --sizes 800x1344 --device meta --warmup 0 --repeats 1 --compare swin-t '
-           'pola-pvt-t:pvt-t')
+           'pola-pvt-t:pvt-t --roofline h200')
     out = sh(cmd, doc_argv(cmd))
     with open(osp.join(REPO, 'docs', 'benchmarks.md'), encoding='utf-8') as f:
         doc = f.read()
-    row = re.search(r'^\| the same, softmax attention counted as the fused kernel \(\*\*0\.6\.6'
-                    r'\*\*, the command above\) \| (\d+) \| \*\*(\d+) \(([\d.]+)×\)\*\* \| '
+    row = re.search(r'^\| \+ Swin windows through the fused attention kernel \(\*\*0\.6\.7\*\*, '
+                    r'the command above\) \| (\d+) \| \*\*(\d+) \(([\d.]+)×\)\*\* \| '
                     r'\*\*(\d+) \(([\d.]+)×\)\*\* \| (\d+) \| \*\*(\d+) \(([\d.]+)×\)\*\* \|$',
                     doc, re.M)
-    assert row, 'the 0.6.6 row of the operations table'
+    assert row, 'the 0.6.7 row of the operations table'
     swin, pola, r_pola, nala, r_nala, pvt, pola_pvt, r_pvt = row.groups()
-    mem = re.search(r'^\| meta, 0\.6\.6, batch 1 \| ([\d.]+) MB \| ([\d.]+) MB \(([\d.]+)×\) \| '
+    mem = re.search(r'^\| meta, 0\.6\.7, batch 1 \| ([\d.]+) MB \| ([\d.]+) MB \(([\d.]+)×\) \| '
                     r'([\d.]+) MB \(([\d.]+)×\) \| ([\d.]+) MB \| ([\d.]+) MB \(([\d.]+)× PVT-T', doc,
                     re.M)
     assert mem, 'the batch-1 row of the memory table'
-    peaks = dict(zip(('swin-t', 'pola-swin-t', 'nalaformer-t', 'pvt-t', 'pola-pvt-t'),
-                     mem.group(1, 2, 4, 6, 7)))
-    for name, n in (('swin-t', swin), ('pola-swin-t', pola), ('nalaformer-t', nala),
-                    ('pvt-t', pvt), ('pola-pvt-t', pola_pvt)):
-        assert re.search(rf'^{name}\s+\S+\s+800x1344\s+{n} ops  peak\s+{peaks[name]} MB$', out,
+    cells = r' \| ([\d.]+)(?: ms)?(?: \(([\d.]+)×(?: PVT-T\'s)?\))?'
+    moved = re.search(r'^\| GB moved, batch 1, \*\*0\.6\.7\*\*' + cells * 5 + r' \|$', doc, re.M)
+    bound = re.search(r'^\| roofline H200, batch 1, \*\*0\.6\.7\*\*' + cells * 5 + r' \|$', doc,
+                      re.M)
+    assert moved and bound, 'the batch-1 rows of the bytes table'
+    names = ('swin-t', 'pola-swin-t', 'nalaformer-t', 'pvt-t', 'pola-pvt-t')
+    peaks = dict(zip(names, mem.group(1, 2, 4, 6, 7)))
+    gbs = dict(zip(names, moved.group(1, 3, 5, 7, 9)))
+    ms = dict(zip(names, bound.group(1, 3, 5, 7, 9)))
+    for name, n in zip(names, (swin, pola, nala, pvt, pola_pvt)):
+        assert re.search(rf'^{name}\s+\S+\s+800x1344\s+{n} ops  peak\s+{peaks[name]} MB\s+'
+                         rf'{gbs[name]} GB moved\s+[\d.]+ TFLOP  roofline h200 {ms[name]} ms$', out,
                          re.M), (name, out[-3000:])
-    for name, n, base, r, m in (('pola-swin-t', pola, swin, r_pola, mem.group(3)),
-                                ('nalaformer-t', nala, swin, r_nala, mem.group(5)),
-                                ('pola-pvt-t', pola_pvt, pvt, r_pvt, mem.group(8))):
+    for name, n, base, r, m, i in (('pola-swin-t', pola, swin, r_pola, mem.group(3), 4),
+                                   ('nalaformer-t', nala, swin, r_nala, mem.group(5), 6),
+                                   ('pola-pvt-t', pola_pvt, pvt, r_pvt, mem.group(8), 10)):
         assert f'800x1344: operations {r}x ({n} / {base})' in out, (name, out[-3000:])
-        assert re.search(rf'^{name}\s.*800x1344: operations {r}x .*; memory {m}x', out, re.M), \
-            (name, out[-3000:])
+        assert re.search(rf'^{name}\s.*800x1344: operations {r}x \({n} / {base}\); bytes '
+                         rf'{moved.group(i)}x; roofline {bound.group(i)}x; memory {m}x', out,
+                         re.M), (name, out[-3000:])
 
 
 def case_benchmark_train_backbones(sh, tmp_path):
