@@ -109,6 +109,18 @@ def test_rope_tables_shared_by_q_and_k():
     assert fwd.total == 2 and backward_ops(ys).total == 2, (fwd.by_name, backward_ops(ys).by_name)
 
 
+def test_rope_tables_copy_and_pickle_as_the_pair():
+    """Copies and pickles of ``RopeTables`` hold the same tables and make their complex tables
+    anew."""
+    import copy
+    import pickle
+    tables = RopeTables(*RoPE2d(8)((3, 4)))
+    tables.turns(*tables)
+    for other in (copy.copy(tables), copy.deepcopy(tables), pickle.loads(pickle.dumps(tables))):
+        assert type(other) is RopeTables and other._turns == {}
+        assert all(torch.equal(a, b) for a, b in zip(other, tables)) and len(other) == 2
+
+
 def leaves(*shapes):
     return [torch.randn(*s, device=META, requires_grad=True) for s in shapes]
 

@@ -59,6 +59,12 @@ class RopeTables(tuple):
         tables._turns = {}
         return tables
 
+    def __getnewargs__(self):  # copies and pickles: the tables, not the complex ones made of them
+        return tuple(self)
+
+    def __getstate__(self):
+        return None
+
     def turns(self, sin, cos):
         """:func:`rope_turns` of ``sin, cos`` (these tables, maybe cast), made on the first call
         for their dtype and device."""
