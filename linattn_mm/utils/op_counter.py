@@ -51,7 +51,8 @@ class OperationCounter(TorchDispatchMode):
 # operations whose outputs are not written by a kernel (new storage left uninitialised) or that
 # read or write nothing (a scalar read back, autograd's detach)
 _NO_TRAFFIC = frozenset(['empty', 'empty_strided', 'empty_like', 'new_empty', 'new_empty_strided',
-                         '_local_scalar_dense', 'detach', 'lift_fresh', 'set_', 'resize_'])
+                         '_local_scalar_dense', 'detach', 'lift_fresh', 'set_', 'resize_',
+                         '_unsafe_view', 'alias'])
 # operations that write their outputs without reading their tensor arguments' elements
 _WRITE_ONLY = frozenset(['zeros', 'zeros_like', 'new_zeros', 'ones', 'ones_like', 'new_ones',
                          'full', 'full_like', 'new_full', 'zero_', 'fill_', 'normal_', 'uniform_',
@@ -81,9 +82,10 @@ def _flops(func, args, kwargs, out):
     from torch.utils.flop_counter import flop_registry
     name = func.overloadpacket.__name__
     if name == 'convolution_backward':
-        grad_out, weight, mask = args[0], args[2], args[-1]
-        # the forward's 2 * outputs * (in-channels per group * kernel) per gradient asked for
-        per_grad = 2 * grad_out.numel() * weight[0].numel()
+        grad_out, inp, weight, transposed, mask = args[0], args[1], args[2], args[7], args[-1]
+        # the forward's FLOPs per gradient asked for: 2 * outputs * (in-channels per group *
+        # kernel), or for a transposed convolution 2 * inputs * (out-channels per group * kernel)
+        per_grad = 2 * (inp if transposed else grad_out).numel() * weight[0].numel()
         return per_grad * (int(bool(mask[0])) + int(bool(mask[1])))
     formula = flop_registry.get(func.overloadpacket)
     return 0 if formula is None else int(formula(*args, **(kwargs or {}), out_val=out))

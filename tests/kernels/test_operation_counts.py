@@ -42,10 +42,12 @@ def test_traffic_counter_bytes_and_flops_by_hand():
         e = torch.empty(10, 10, device=META)  # nothing
         e.fill_(1.)  # writes 100
         a.t().view(-1, 64)[:3]  # views: not operations
+        torch.ops.aten._unsafe_view(d, (16, 64))  # an operation, but no kernel: nothing moved
     assert [r[:3] for r in t.records] == [
         ('add', (2048 + 32 + 2048) * 4, 0), ('mm', (2048 + 512 + 1024) * 4, 2 * 64 * 32 * 16),
-        ('copy_', 2 * 2048 * 4, 0), ('empty', 0, 0), ('fill_', 100 * 4, 0)]
-    assert t.total == 5 and t.bytes_moved == sum(r[1] for r in t.records)
+        ('copy_', 2 * 2048 * 4, 0), ('empty', 0, 0), ('fill_', 100 * 4, 0),
+        ('_unsafe_view', 0, 0)]
+    assert t.total == 6 and t.bytes_moved == sum(r[1] for r in t.records)
     assert t.flops == 2 * 64 * 32 * 16
     # the roofline: each operation at least its bytes over the bandwidth and its FLOPs over the
     # rate of its dtype
@@ -64,6 +66,15 @@ def test_traffic_counter_counts_a_grouped_convolution_backward_by_its_groups():
         y = torch.nn.functional.conv2d(x, wt, padding=1, groups=C)
         y.backward(torch.ones_like(y))
     fwd = 2 * C * H * W * 9
+    flops = {r[0]: r[2] for r in t.records if r[2]}
+    assert flops == {'convolution': fwd, 'convolution_backward': 2 * fwd}
+    # a transposed convolution (the ViT FPN's 2x2 up-sampling): its forward by torch's formula,
+    # 2 * inputs * (out-channels * kernel), and the backward twice that
+    x, wt = leaves((1, 8, 10, 12), (8, 8, 2, 2))
+    with TrafficCounter() as t:
+        y = torch.nn.functional.conv_transpose2d(x, wt, stride=2)
+        y.backward(torch.ones_like(y))
+    fwd = 2 * 8 * 10 * 12 * 8 * 4
     flops = {r[0]: r[2] for r in t.records if r[2]}
     assert flops == {'convolution': fwd, 'convolution_backward': 2 * fwd}
 
@@ -107,6 +118,19 @@ def test_rope_tables_shared_by_q_and_k():
     fwd = count(lambda: ys.extend([rotate_pairs(q, sin, cos, tables),
                                    rotate_pairs(k, sin, cos, tables)]))
     assert fwd.total == 2 and backward_ops(ys).total == 2, (fwd.by_name, backward_ops(ys).by_name)
+
+
+def test_rope_tables_made_in_inference_mode_are_not_kept_for_training():
+    """The complex tables a ``RopeTables`` makes under ``torch.inference_mode()`` are inference
+    tensors: a later training step with the same tables makes its own (its backward keeps
+    them)."""
+    tables = RopeTables(*RoPE2d(8)((3, 4)))
+    x = torch.randn(1, 2, 12, 8, dtype=torch.float32)
+    with torch.inference_mode():
+        rotate_pairs(x, *tables, tables)
+    t = x.clone().requires_grad_()
+    rotate_pairs(t, *tables, tables).sum().backward()
+    assert t.grad is not None and len(tables._turns) == 2
 
 
 def test_rope_tables_copy_and_pickle_as_the_pair():

@@ -275,3 +275,28 @@ def test_window_attention_form_by_device(monkeypatch):
         m(torch.randn(2, 9 * 11, 8, device=device), (9, 11))
         assert masks == want, device
         masks.clear()
+
+
+def test_fused_window_attention_keeps_to_kernels_with_a_mask_gradient(monkeypatch):
+    """Where the bias needs a gradient (training), the fused form runs with cuDNN's attention
+    (no gradient for a mask) and flash attention (no mask) switched off: the memory-efficient
+    kernel or the decomposition; without one (inference) torch's own choice."""
+    import linattn_mm.models.attentions.softmax as softmax_mod
+    states = []
+    sdpa = softmax_mod.F.scaled_dot_product_attention
+
+    def spy(*args, **kw):
+        states.append((torch.backends.cuda.cudnn_sdp_enabled(),
+                       torch.backends.cuda.flash_sdp_enabled(),
+                       torch.backends.cuda.mem_efficient_sdp_enabled()))
+        return sdpa(*args, **kw)
+    monkeypatch.setattr(softmax_mod.F, 'scaled_dot_product_attention', spy)
+    m = WindowSoftmaxAttention(8, 2, window_size=4, block_idx=1)
+    m.fused = True
+    before = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
+              torch.backends.cuda.mem_efficient_sdp_enabled())
+    x = torch.randn(2, 9 * 11, 8)
+    m(x, (9, 11)).sum().backward()
+    with torch.no_grad():
+        m(x, (9, 11))
+    assert states == [(False, False, True), before]

@@ -1,9 +1,12 @@
 """Softmax attention references: global multi-head attention, Swin window attention and PVT
 spatial-reduction attention. Parameter names follow the official DeiT / Swin / PVT code, so
 official checkpoints load with their keys unchanged."""
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from linattn_mm.ops.lean_layers import GatherTokens
 from linattn_mm.registry import ATTENTIONS
@@ -127,6 +130,11 @@ def shift_window_mask(Hp, Wp, ws, shift, device, dtype=torch.float32):
     return mask.masked_fill(mask != 0, -100.0).masked_fill(mask == 0, 0.0).to(dtype)
 
 
+#: the attention kernels that return a gradient for the additive mask (the memory-efficient one,
+#: and the decomposition where it does not apply)
+_BIAS_GRAD_KERNELS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 @ATTENTIONS.register_module()
 class WindowSoftmaxAttention(BaseTokenMixer):
     """Swin (shifted) window attention with relative position bias, on a full token grid.
@@ -150,7 +158,9 @@ class WindowSoftmaxAttention(BaseTokenMixer):
     Off CPU (``fused`` None, the default) the windows attend through one
     ``F.scaled_dot_product_attention`` with the relative position bias (and the shift mask) as its
     additive mask: on a GPU the fused memory-efficient kernel, which computes the bias's gradient
-    too, one operation each way where the steps take about ten, and no (n, n) weights kept for
+    too (where the bias needs one, the kernels are limited to that one and the decomposition:
+    cuDNN's attention, which torch prefers on recent GPUs under autocast, returns no gradient for
+    a mask), one operation each way where the steps take about ten, and no (n, n) weights kept for
     backward (Pola-Swin-T's training step, as counted on ``meta``: 1338 -> 1170 operations). On
     CPU the weights are computed step by step, as Swin (faster there: the CPU kernel with a mask
     took 1.7x the time of the steps for a stage-3 layer's forward and backward). ``fused`` True or
@@ -281,8 +291,10 @@ class WindowSoftmaxAttention(BaseTokenMixer):
         q, k, v, bias = self._windows(x, hw_shape, per_window=fused)
         drop = self.attn_drop if self.training else 0.
         if fused:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=drop,
-                                                 scale=self.scale)
+            with (sdpa_kernel(_BIAS_GRAD_KERNELS) if bias.requires_grad
+                  else contextlib.nullcontext()):
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=drop,
+                                                     scale=self.scale)
         else:
             attn = self._attend_bias((q * self.scale) @ k.transpose(-2, -1), bias).softmax(-1)
             out = (F.dropout(attn, drop) if drop > 0 else attn) @ v

@@ -49,7 +49,8 @@ class DropPath(nn.Module):
         maps: the per-sample mask and its ``1 / keep`` go into one ``torch.addcmul`` (the mask
         drawn as in :meth:`forward`, the same random numbers). Two operations and two full-size
         passes fewer than the product and the sum; the same values up to the rounding of
-        ``1 / keep``."""
+        ``1 / keep`` (for a half-precision branch added to a float32 ``x``, as under autocast, the
+        scale is no longer rounded to the branch's dtype first)."""
         if self.drop_prob == 0. or not self.training:
             return x + branch
         keep = 1 - self.drop_prob

@@ -68,7 +68,8 @@ class RopeTables(tuple):
     def turns(self, sin, cos):
         """:func:`rope_turns` of ``sin, cos`` (these tables, maybe cast), made on the first call
         for their dtype and device."""
-        key = (sin.dtype, sin.device)
+        # (tables made in inference mode are inference tensors: not to be kept by a training step)
+        key = (sin.dtype, sin.device, torch.is_inference_mode_enabled())
         if key not in self._turns:
             self._turns[key] = rope_turns(sin, cos)
         return self._turns[key]
