@@ -26,8 +26,8 @@ def test_add_equals_the_sum_of_the_dropped_branch(dtype):
     dropped = (gb0 == 0).all(-1).all(-1)
     assert 0 < int(dropped.sum()) < 16  # some samples dropped, some kept
     # dropped samples: exactly x, no gradient for the branch; kept: x + b / keep
-    assert torch.equal(y1[dropped], x.detach()[dropped]) and torch.equal(gb1[dropped],
-                                                                         torch.zeros_like(gb1[dropped]))
+    assert torch.equal(y1[dropped], x.detach()[dropped])
+    assert torch.equal(gb1[dropped], torch.zeros_like(gb1[dropped]))
     keep = ~dropped
     want = x.detach()[keep] + b.detach()[keep] / 0.7
     tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-14, atol=1e-14)

@@ -161,7 +161,7 @@ class WindowSoftmaxAttention(BaseTokenMixer):
     too (where the bias needs one, the kernels are limited to that one and the decomposition:
     cuDNN's attention, which torch prefers on recent GPUs under autocast, returns no gradient for
     a mask), one operation each way where the steps take about ten, and no (n, n) weights kept for
-    backward (Pola-Swin-T's training step, as counted on ``meta``: 1338 -> 1170 operations). On
+    backward (Pola-Swin-T's training step, as counted on ``meta``: 1338 -> 1190 operations). On
     CPU the weights are computed step by step, as Swin (faster there: the CPU kernel with a mask
     took 1.7x the time of the steps for a stage-3 layer's forward and backward). ``fused`` True or
     False chooses one form everywhere (the same values up to float rounding).

@@ -25,8 +25,8 @@ from .reference import (KERNELS, apply_rope, nala_attention_reference, nala_feat
                         nala_weights_reference, rotate_every_two)
 
 __all__ = ['nala_attention', 'nala_attention_reference', 'nala_attention_fast', 'apply_rope',
-           'rotate_every_two', 'RopeTables', 'rope_turn', 'rope_turns', 'rotate_pairs', 'nala_feature_maps',
-           'nala_weights_reference', 'KERNELS']
+           'rotate_every_two', 'RopeTables', 'rope_turn', 'rope_turns', 'rotate_pairs',
+           'nala_feature_maps', 'nala_weights_reference', 'KERNELS']
 
 
 def nala_attention(q, k, v, power=3., eps=1e-6, sin=None, cos=None, kernel='official',
