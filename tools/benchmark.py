@@ -68,7 +68,10 @@ shapes only, nothing computed, on a machine without a GPU. The models take the p
 on a GPU (one chunk, the sums over the tokens in parts), and the tool reports the operations of
 a step (``--count-ops``, :class:`linattn_mm.utils.OperationCounter`) and its peak of live tensor
 storage (:class:`~linattn_mm.utils.PeakMemoryCounter` counting meta tensors: what the GPU path
-keeps alive, without the caching allocator's rounding), no time. ``F.scaled_dot_product_attention``
+keeps alive, without the caching allocator's rounding), no time; also the bytes the step's
+operations move and their FLOPs (:class:`~linattn_mm.utils.TrafficCounter`), and with
+``--roofline GPU`` a lower bound of the step's time on that GPU (each operation at least its bytes
+over the memory bandwidth and its FLOPs over the peak rate). ``F.scaled_dot_product_attention``
 runs there as the fused memory-efficient kernel a GPU runs in float32
 (``aten._scaled_dot_product_efficient_attention``, whose shapes torch knows on meta): its
 decomposition would count the (N, N) attention matrices of the global softmax stages.
