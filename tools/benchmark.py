@@ -437,10 +437,8 @@ def peak_memory(run, device):
 #: memory bandwidth (bytes/s) and dense peak rates (FLOP/s per dtype) of the GPUs that
 #: ``--roofline`` names, from the vendor's data sheets (SXM parts; no sparsity). float32 matrix
 #: products at the FP32 rate (torch's default: no TF32 for them)
-ROOFLINES = {
-    'h100-sxm': (3.35e12, {torch.float32: 67e12, torch.bfloat16: 989e12, torch.float16: 989e12}),
-    'h200': (4.8e12, {torch.float32: 67e12, torch.bfloat16: 989e12, torch.float16: 989e12}),
-}
+_HOPPER_PEAKS = {torch.float32: 67e12, torch.bfloat16: 989e12, torch.float16: 989e12}
+ROOFLINES = {'h100-sxm': (3.35e12, _HOPPER_PEAKS), 'h200': (4.8e12, _HOPPER_PEAKS)}
 
 
 def count_operations(run, roofline=None):

@@ -23,6 +23,8 @@ import collections
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
 
 __all__ = ['OperationCounter', 'TrafficCounter', 'spanned_bytes']
 
@@ -70,7 +72,6 @@ def spanned_bytes(t):
 
 
 def _tensors(tree):
-    from torch.utils._pytree import tree_flatten
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
@@ -79,7 +80,6 @@ def _flops(func, args, kwargs, out):
     fused attention; 0 for the rest). The grouped convolution's backward is counted here: torch's
     formula leaves out its groups (a depth-wise conv's backward came out ``channels`` times too
     large)."""
-    from torch.utils.flop_counter import flop_registry
     name = func.overloadpacket.__name__
     if name == 'convolution_backward':
         grad_out, inp, weight, transposed, mask = args[0], args[1], args[2], args[7], args[-1]

@@ -41,8 +41,12 @@ class DropPath(nn.Module):
         if self.drop_prob == 0. or not self.training:
             return x
         keep = 1 - self.drop_prob
-        mask = x.new_empty((x.shape[0], ) + (1, ) * (x.dim() - 1)).bernoulli_(keep)
-        return x * mask.div_(keep)  # one pass over x, forward and backward
+        return x * self._mask(x, keep).div_(keep)  # one pass over x, forward and backward
+
+    @staticmethod
+    def _mask(t, keep):
+        """A per-sample Bernoulli(keep) mask (B, 1, ..., 1) for ``t``, in its dtype."""
+        return t.new_empty((t.shape[0], ) + (1, ) * (t.dim() - 1)).bernoulli_(keep)
 
     def add(self, x, branch):
         """``x + self(branch)``, the residual sum of a dropped branch, as one operation over the
@@ -54,8 +58,7 @@ class DropPath(nn.Module):
         if self.drop_prob == 0. or not self.training:
             return x + branch
         keep = 1 - self.drop_prob
-        mask = branch.new_empty((branch.shape[0], ) + (1, ) * (branch.dim() - 1)).bernoulli_(keep)
-        return torch.addcmul(x, branch, mask, value=1 / keep)
+        return torch.addcmul(x, branch, self._mask(branch, keep), value=1 / keep)
 
     def extra_repr(self):
         return f'drop_prob={self.drop_prob}'
