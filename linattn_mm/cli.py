@@ -114,6 +114,33 @@ def close_process_group(wait=True):
             dist.destroy_process_group()
 
 
+def set_pola_core(cfg, core):
+    """Set ``core`` on every ``PolaLinearAttention`` of ``cfg.model`` (the ``attn_cfg`` entries of
+    any skeleton, nested lists included) and return how many were set; a ``ValueError`` when there
+    is none or the name is not a core (:data:`linattn_mm.ops.dispatch.CORES`). ``'triton'`` trains
+    the Pola mixers with the Triton kernels, forward and backward (CUDA)."""
+    from linattn_mm.ops.dispatch import check_core
+    check_core('--pola-core', core)
+    found = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            if str(node.get('type', '')).split('.')[-1] == 'PolaLinearAttention':
+                node['core'] = core
+                found.append(node)
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, (list, tuple)):
+            for value in node:
+                walk(value)
+
+    walk(cfg.model)
+    if not found:
+        raise ValueError(f'--pola-core {core}: the model config names no PolaLinearAttention '
+                         f'(its attn_cfg entries set the mixers)')
+    return len(found)
+
+
 def build_runner(cfg):
     """The config's runner (``runner_type`` if set, else mmengine's Runner)."""
     from mmengine.registry import RUNNERS

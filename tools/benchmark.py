@@ -234,11 +234,22 @@ def set_impl(model, impl, ffn='auto', device=None, train=False):
     CUDA), ``torch`` and ``reference`` leave it unconverted with the mixers' ``core`` set to
     ``'fast'`` / ``'reference'``, ``official`` binds the official Pola forward (NaLa mixers: their
     reference core). ``ffn='plain'`` keeps the blocks unconverted (the mixers alone differ). For
-    training (``train``) nothing is converted: ``fast`` is the default training form."""
+    training (``train``) nothing is converted: ``fast`` is the default training form, ``triton``
+    puts the Pola mixers on the Triton core, forward and backward (CUDA, or ``meta`` to count what
+    its kernels move; NaLa mixers keep their torch core: NaLa's Triton kernel is
+    forward-only)."""
     if train:
-        if impl == 'triton':
-            raise ValueError('--impls triton is forward-only: not for --mode train')
         impl = 'torch' if impl == 'fast' else impl
+        if impl == 'triton':
+            dev = torch.device(device or next(model.parameters()).device)
+            if dev.type not in ('cuda', 'meta'):
+                raise ValueError('--impls triton trains on --device cuda (or counts on meta)')
+            deploy.revert(model)
+            for m in model.modules():
+                if isinstance(m, (PolaLinearAttention, NormAwareLinearAttention)) and \
+                        getattr(m, 'kernel', 'official') == 'official':
+                    m.core = 'triton' if isinstance(m, PolaLinearAttention) else 'fast'
+            return
     deploy.revert(model)
     for m in pola_modules(model):
         m.__dict__.pop('forward', None)

@@ -4,8 +4,9 @@ Triton failure.
 Every linear family exposes its kernels behind one signature and a ``core`` name (``'reference'``,
 ``'fast'``, ``'triton'``) that a mixer fixes at construction and :func:`linattn_mm.deploy.convert`
 may change once for inference; nothing here looks at a call's device or gradient to choose. The
-Triton kernels are forward-only CUDA kernels (Triton's interpreter runs them on CPU tensors under
-``TRITON_INTERPRET=1``); Triton is imported on first use only.
+Triton kernels are CUDA kernels (Triton's interpreter runs them on CPU tensors under
+``TRITON_INTERPRET=1``): Pola's forward and backward, NaLa's forward only; Triton is imported on
+first use only.
 """
 import os
 import warnings

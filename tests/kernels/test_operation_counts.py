@@ -214,3 +214,45 @@ def test_shifted_windows_take_their_mask_from_the_table():
         counts[shift] = count(lambda: attn(x, (50, 84)))
     assert counts[True].total == counts[False].total + 1, (counts[True].by_name,
                                                            counts[False].by_name)
+
+
+@pytest.mark.skipif(__import__('linattn_mm.ops.pola.triton', fromlist=['triton']).triton is None,
+                    reason='Triton is not installed')
+def test_triton_pola_core_on_meta_is_four_launches_with_their_traffic():
+    # a training step of the Triton Pola core on meta tensors: its four kernels are one operation
+    # each, with the bytes of the tensors each reads and writes (as the kernel addresses them) and
+    # the FLOPs of its (tokens x DP) by (DP x DP) products, DP the head dim padded to 16
+    from linattn_mm.ops.pola import polarity_attention
+    B, h, N, d, DP = 2, 3, 40, 12, 16
+    meta = dict(device='meta')
+    q, k, v = (torch.empty(B, h, N, d, **meta, requires_grad=True) for _ in range(3))
+    p, s = (torch.empty(1, h, 1, d, **meta, requires_grad=True) for _ in range(2))
+    pe = torch.empty(1, h, N, d, **meta, requires_grad=True)
+    with TrafficCounter() as tc:
+        out = polarity_attention(q, k, v, p, 1e-6, s, pe, core='triton')
+        out.backward(torch.empty_like(out))
+    launches = [r for r in tc.records if r[0].startswith('pola_triton')]
+    assert [r[0] for r in launches] == ['pola_triton_keys', 'pola_triton_queries',
+                                        'pola_triton_query_grads', 'pola_triton_key_grads']
+    full, param, bh = B * h * N * d * 4, h * d * 4, B * h  # bytes; one key / query chunk each
+    pe_bytes = h * N * d * 4  # broadcast over the batch: addressed once
+    state, means, vec = bh * 2 * DP * DP * 4, bh * 2 * DP * 4, bh * DP * 4
+    want = {
+        # k, v, pe, p, 1/s -> partial [k+^T v, k-^T v], [sum k+, sum k-]
+        'pola_triton_keys': 2 * full + pe_bytes + 2 * param + state + means,
+        # q, [W+, W-], key means, p, 1/s -> out
+        'pola_triton_queries': full + state + means + 2 * param + full,
+        # q, grad, W, means, p, 1/s -> dq, dW, d means, d(1/s), dp
+        'pola_triton_query_grads': 2 * full + state + means + 2 * param + full + state + means
+        + 2 * vec,
+        # k, v, pe, p, 1/s, dKV, d sums -> dk (float32: the bias's gradient is summed from it),
+        # dv, d(1/s), dp
+        'pola_triton_key_grads': 2 * full + pe_bytes + 2 * param + state + means + 2 * full
+        + 2 * vec,
+    }
+    flops = {'pola_triton_keys': 2, 'pola_triton_queries': 2, 'pola_triton_query_grads': 6,
+             'pola_triton_key_grads': 4}
+    for name, nbytes, nflops, _ in launches:
+        assert nbytes == want[name], name
+        assert nflops == 2 * flops[name] * B * h * N * DP * DP, name
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in (q, k, v, p, s, pe))

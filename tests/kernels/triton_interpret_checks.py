@@ -1,7 +1,10 @@
 """Run by tests/kernels/test_pola_triton.py and tests/kernels/test_nala_triton.py in a subprocess with
 ``TRITON_INTERPRET=1`` (Triton's interpreter runs the kernels on CPU tensors; the variable must be
-set before the kernels are defined). Arguments: ``pola`` and / or ``nala`` (default both). Prints
-one JSON object: case name -> relative error against the float64 reference."""
+set before the kernels are defined). Arguments: ``pola``, ``pola-grad`` (the Pola kernels'
+backward: the gradients of the core, of modules and of a backbone) and / or ``nala`` (default
+``pola`` and ``nala``). Prints one JSON object: case name -> relative error against the float64
+reference."""
+import copy
 import json
 import sys
 
@@ -106,6 +109,103 @@ def run_modules(res):
                                                     torch.randn(1, 3, 64, 96))
 
 
+def _pola_inputs(case, seed):
+    """Leaf tensors q, k, v, p, s, bias (bias None without position encoding) of a core case."""
+    name, B, h, N, n, d, pe, sc, dt = case
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, N, h * 4 * d, generator=g)[..., ::4]  # strided, like an unbind view
+    q = q.reshape(B, N, h, d).transpose(1, 2)
+    k, v = (torch.randn(B, h, n, d, generator=g) for _ in range(2))
+    p = 1 + 4 * torch.rand(1, h, 1, d, generator=g)
+    s = 0.5 + torch.rand(1, h, 1, d, generator=g)
+    bias = 0.3 * torch.randn(1, h, n, d, generator=g) if pe else None
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    bias = bias.to(dt) if pe else None
+    grad = torch.randn(B, h, N, d, generator=g)
+    return [q, k, v, p, s, bias], grad
+
+
+def run_core_grads(res):
+    """The Triton forward and backward of the core against plain autograd of the float64
+    reference on the same (rounded) inputs: the output and the gradient of every input (q, k, v
+    and the position encoding in their dtype, p and the temperature in float32)."""
+    for i, case in enumerate(core_cases()):
+        name, pe, sc = case[0], case[6], case[7]
+        leaves, grad = _pola_inputs(case, 100 + i)
+        leaves = [t.requires_grad_() if t is not None else None for t in leaves]
+        q, k, v, p, s, bias = leaves
+        out = polarity_attention_triton(q, k, v, p, 1e-6, temperature=s if sc else None,
+                                        k_bias=bias, out_dtype=torch.float32)
+        names = ('q', 'k', 'v', 'p', 'temperature', 'pe')
+        idx = [j for j, t in enumerate(leaves) if t is not None and (sc or j != 4)]
+        got = torch.autograd.grad(out, [leaves[j] for j in idx], grad)
+        ref = [t.detach().double().requires_grad_() if t is not None else None for t in leaves]
+        qq, kk, vv, pp, ss, bb = ref
+        kk2 = kk + bb if pe else kk
+        qq2, kk2 = (qq / ss, kk2 / ss) if sc else (qq, kk2)
+        want_out = polarity_attention(qq2, kk2, vv, pp, 1e-6)
+        want = torch.autograd.grad(want_out, [ref[j] for j in idx], grad.double())
+        res[f'grad {name}: out'] = rel(out, want_out)
+        for j, a, b in zip(idx, got, want):
+            assert a.dtype == leaves[j].dtype and a.shape == leaves[j].shape, names[j]
+            res[f'grad {name}: {names[j]}'] = rel(a, b)
+
+
+def train_vs_reference(net, mixer_cls, *inputs):
+    """Largest relative error over the output, the input's gradient and every parameter's
+    gradient of a training step of ``net`` (float32, every ``mixer_cls`` on the Triton core)
+    against a float64 copy on the reference cores (loss: the outputs times fixed random
+    tensors)."""
+    ref = copy.deepcopy(net).double()
+    for m in net.modules():
+        if isinstance(m, mixer_cls):
+            m.core = 'triton'
+    for m in ref.modules():
+        if isinstance(m, mixer_cls):
+            m.core = 'reference'
+    errs = []
+    weights = None
+    for model, cast in ((net, torch.float32), (ref, torch.float64)):
+        x = inputs[0].detach().to(cast).requires_grad_()
+        outs = model(x, *inputs[1:])
+        outs = [outs] if torch.is_tensor(outs) else list(outs)
+        if weights is None:
+            g = torch.Generator().manual_seed(0)
+            weights = [torch.randn(o.shape, generator=g) for o in outs]
+        loss = sum((o * w.to(cast)).sum() for o, w in zip(outs, weights))
+        loss.backward()
+        errs.append((outs, x.grad, {k: p.grad for k, p in model.named_parameters()
+                                    if p.grad is not None}))
+    (o32, x32, p32), (o64, x64, p64) = errs
+    assert set(p32) == set(p64) and p32, 'the same parameters get gradients'
+    worst = max(rel(a, b) for a, b in zip(o32, o64))
+    worst = max(worst, rel(x32, x64), *(rel(p32[k], p64[k]) for k in p64))
+    return worst
+
+
+def run_module_grads(res):
+    """Training steps of Pola modules and of a Pola-Swin backbone on the Triton core."""
+    cases = [('train module qkvg', dict(qkv_layout='qkvg'), 0, (11, 13)),
+             ('train module qg_kv la_sr 2', dict(la_sr_ratio=2), 0, (12, 9)),
+             ('train module static gate, class token', dict(qkv_layout='qkvg', gate='static'), 1,
+              (7, 7)),
+             ('train module polarity only', dict(gate='none', use_dwc=False), 0, (9, 10))]
+    for i, (name, kw, e, hw) in enumerate(cases):
+        torch.manual_seed(i)
+        m = PolaLinearAttention(32, 4, pretrain_hw=(8, 8), num_extra_tokens=e, **kw).train()
+        randomise_pola_(m, i)
+        res[name] = train_vs_reference(m, PolaLinearAttention,
+                                       torch.randn(2, e + hw[0] * hw[1], 32), hw)
+    torch.manual_seed(0)
+    net = LinAttnSwin(arch=dict(embed_dims=32, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8]),
+                      attn_cfg=[dict(type='PolaLinearAttention', qkv_layout='qkvg')] * 2 + [
+                          dict(type='WindowSoftmaxAttention', window_size=7)] * 2,
+                      with_cp=True, drop_path_rate=0.).train()
+    randomise_pola_(net, 7)
+    res['train Pola-Swin backbone, with_cp'] = train_vs_reference(
+        net, PolaLinearAttention, torch.randn(2, 3, 64, 96))
+
+
 def nala_cases():
     """(name, B, h, (H, W), d, RoPE, lam, input dtype)."""
     return [('nala fp32 d32 rope', 2, 3, (7, 10), 32, True, 3., torch.float32),
@@ -155,6 +255,9 @@ if __name__ == '__main__':
     if 'pola' in which:
         run_core(results)
         run_modules(results)
+    if 'pola-grad' in which:
+        run_core_grads(results)
+        run_module_grads(results)
     if 'nala' in which:
         run_nala(results)
     json.dump(results, sys.stdout)

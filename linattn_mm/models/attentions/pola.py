@@ -47,8 +47,9 @@ runs on the H*W grid only); their output is ``attn(cls) * g(cls)``.
 Kernels: the core (temperature, feature maps, the two normalised streams) runs through
 :func:`linattn_mm.ops.pola.polarity_attention`, chosen once by ``core``: ``'fast'`` (default, the
 torch kernel of :mod:`linattn_mm.ops.pola.fast`), ``'reference'`` (the official order of operations,
-:mod:`linattn_mm.ops.pola.reference`) or ``'triton'`` (CUDA inference). The inference forms of the
-whole layer (CPU: chunk by chunk; CUDA: the Triton core) come from :func:`linattn_mm.deploy.convert`.
+:mod:`linattn_mm.ops.pola.reference`) or ``'triton'`` (the Triton kernels, forward and backward,
+CUDA only). The inference forms of the whole layer (CPU: chunk by chunk; CUDA: the Triton core)
+come from :func:`linattn_mm.deploy.convert`.
 
 Precision: the feature map (temperature, ReLU, power) and the small matmuls run in float32 with
 autocast disabled (``p`` reaches 1 + alpha, so ``relu(q/s)^p`` overflows fp16 easily); the result
@@ -104,7 +105,8 @@ class PolaLinearAttention(BaseTokenMixer):
             for its analytic backward; with it the conv term and the gated output projection keep
             no copies either, :mod:`linattn_mm.ops.lean_layers`; equal to the reference up to
             float rounding, gradients included), ``'reference'`` (plain autograd of the official
-            order of operations; the test oracle) or ``'triton'`` (forward-only CUDA kernel;
+            order of operations; the test oracle) or ``'triton'`` (the Triton kernels with their
+            Triton backward, CUDA only: ``attn_cfg=dict(..., core='triton')`` trains with them;
             :func:`linattn_mm.deploy.convert` sets it for CUDA inference).
         eps (float): added to the normaliser. Default 1e-6.
         num_extra_tokens (int): class tokens before the grid (see the module docstring).

@@ -10,13 +10,14 @@ q (B, h, N, d), k and v (B, h, n, d) per head; ``p`` the exponents (1, h, 1, d);
   their normalisers, the temperature and ``n^-1/2`` folded; with :mod:`.autograd`, the training
   Function that keeps only q, k, v and one small matrix per head for its analytic backward
   (``core='fast'``, the default);
-* :mod:`.triton` — the Triton kernel, CUDA inference (``core='triton'``);
+* :mod:`.triton` — the Triton kernels, forward and backward on CUDA (``core='triton'``; set by
+  :func:`linattn_mm.deploy.convert` for CUDA inference, chosen in ``attn_cfg`` for training);
 * :mod:`.chunked_cpu` — the whole layer in CPU inference, chunk by chunk (a layer form, used by
   :func:`linattn_mm.deploy.convert`).
 
 :func:`polarity_attention` runs the core a mixer names.
 """
-from ..common import core_dtype, grad_needed, no_autocast
+from ..common import core_dtype, no_autocast
 from ..dispatch import check_core
 from .autograd import polarity_attention_fast
 from .fast import polarity_features
@@ -39,9 +40,6 @@ def polarity_attention(q, k, v, p, eps=1e-6, temperature=None, k_bias=None, core
     """
     check_core('polarity_attention', core)
     if core == 'triton':
-        if grad_needed(q, k, v, p, temperature, k_bias):
-            raise RuntimeError("polarity_attention: core='triton' is forward-only and a gradient "
-                               "is needed here; train with core='fast' or 'reference'")
         from .triton import polarity_attention_triton
         return polarity_attention_triton(q, k, v, p, eps, temperature, k_bias, out_dtype=v.dtype)
     work, out_dtype = core_dtype(q, k, v), v.dtype
