@@ -114,31 +114,28 @@ def close_process_group(wait=True):
             dist.destroy_process_group()
 
 
-def set_pola_core(cfg, core):
-    """Set ``core`` on every ``PolaLinearAttention`` of ``cfg.model`` (the ``attn_cfg`` entries of
-    any skeleton, nested lists included) and return how many were set; a ``ValueError`` when there
-    is none or the name is not a core (:data:`linattn_mm.ops.dispatch.CORES`). ``'triton'`` trains
-    the Pola mixers with the Triton kernels, forward and backward (CUDA)."""
+def set_attention_core(model, core):
+    """Put every Pola mixer (``PolaLinearAttention``) and NaLa mixer (``NormAwareLinearAttention``)
+    of a built ``model`` on the core ``core`` (:data:`linattn_mm.ops.dispatch.CORES`; ``'triton'``:
+    the Triton kernels, forward and backward, CUDA) and return how many there are. A
+    ``ValueError`` when the model has none, for an unknown core name, or for a NaLa mixer whose
+    feature map has no Triton core (the paper's kernel, a constant query power), naming it."""
+    from linattn_mm.models.attentions.nala import NormAwareLinearAttention
+    from linattn_mm.models.attentions.pola import PolaLinearAttention
     from linattn_mm.ops.dispatch import check_core
-    check_core('--pola-core', core)
-    found = []
-
-    def walk(node):
-        if isinstance(node, dict):
-            if str(node.get('type', '')).split('.')[-1] == 'PolaLinearAttention':
-                node['core'] = core
-                found.append(node)
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, (list, tuple)):
-            for value in node:
-                walk(value)
-
-    walk(cfg.model)
-    if not found:
-        raise ValueError(f'--pola-core {core}: the model config names no PolaLinearAttention '
-                         f'(its attn_cfg entries set the mixers)')
-    return len(found)
+    check_core('--attn-core', core)
+    mixers = [(name, m) for name, m in model.named_modules()
+              if isinstance(m, (PolaLinearAttention, NormAwareLinearAttention))]
+    if not mixers:
+        raise ValueError(f'--attn-core {core}: the model has no Pola or NaLa mixer')
+    for name, m in mixers:
+        if core == 'triton' and isinstance(m, NormAwareLinearAttention) and (
+                m.kernel != 'official' or m.query_power is not None):
+            raise ValueError(f"--attn-core triton: {name} (kernel={m.kernel!r}, query_power="
+                             f"{m.query_power}) has no Triton core (the official kernel only)")
+    for _, m in mixers:
+        m.core = core
+    return len(mixers)
 
 
 def build_runner(cfg):

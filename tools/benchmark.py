@@ -235,9 +235,8 @@ def set_impl(model, impl, ffn='auto', device=None, train=False):
     ``'fast'`` / ``'reference'``, ``official`` binds the official Pola forward (NaLa mixers: their
     reference core). ``ffn='plain'`` keeps the blocks unconverted (the mixers alone differ). For
     training (``train``) nothing is converted: ``fast`` is the default training form, ``triton``
-    puts the Pola mixers on the Triton core, forward and backward (CUDA, or ``meta`` to count what
-    its kernels move; NaLa mixers keep their torch core: NaLa's Triton kernel is
-    forward-only)."""
+    puts the Pola and NaLa mixers (official kernel) on their Triton cores, forward and backward
+    (CUDA, or ``meta`` to count what their kernels move)."""
     if train:
         impl = 'torch' if impl == 'fast' else impl
         if impl == 'triton':
@@ -246,9 +245,11 @@ def set_impl(model, impl, ffn='auto', device=None, train=False):
                 raise ValueError('--impls triton trains on --device cuda (or counts on meta)')
             deploy.revert(model)
             for m in model.modules():
-                if isinstance(m, (PolaLinearAttention, NormAwareLinearAttention)) and \
-                        getattr(m, 'kernel', 'official') == 'official':
-                    m.core = 'triton' if isinstance(m, PolaLinearAttention) else 'fast'
+                if isinstance(m, PolaLinearAttention):
+                    m.core = 'triton'
+                elif isinstance(m, NormAwareLinearAttention):  # the paper's map has no Triton core
+                    official = m.kernel == 'official' and m.query_power is None
+                    m.core = 'triton' if official else 'fast'
             return
     deploy.revert(model)
     for m in pola_modules(model):

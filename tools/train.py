@@ -7,9 +7,9 @@ Same flags as the stock OpenMMLab ``tools/train.py``:
 ``--compile-backbone [BACKEND]`` trains with the backbone under ``torch.compile``
 (``linattn_mm.CompileBackboneHook``).
 
-``--pola-core triton`` trains every ``PolaLinearAttention`` of the config with the Triton kernels
-of the Pola core, forward and backward (CUDA; the default is the torch training Function,
-``core='fast'``).
+``--attn-core triton`` trains every Pola and NaLa mixer of the model with the Triton kernels of
+its core, forward and backward (CUDA; the default is the torch training Function,
+``core='fast'``; ``linattn_mm.cli.set_attention_core``).
 
 ``--demo`` runs CONFIG on the generated demo data with the demo schedule (``linattn_mm.demo``).
 """
@@ -19,7 +19,7 @@ import linattn_mm  # noqa: F401  (registers the backbones)
 from linattn_mm.checkpoint import safe_globals
 from linattn_mm.cli import (add_common_args, apply_launcher_defaults, build_runner,
                             close_process_group, find_resume_checkpoint, load_config,
-                            parse_with_common, set_pola_core)
+                            parse_with_common, set_attention_core)
 from linattn_mm.ops.dispatch import CORES
 
 
@@ -35,8 +35,8 @@ def parse_args(argv=None):
     p.add_argument('--compile-backbone', nargs='?', const='inductor', default=None,
                    metavar='BACKEND', help='train with the backbone under torch.compile (backend '
                    'inductor, or the one named; linattn_mm.CompileBackboneHook)')
-    p.add_argument('--pola-core', choices=CORES, default=None,
-                   help="set core on every PolaLinearAttention of the config ('triton': the "
+    p.add_argument('--attn-core', choices=CORES, default=None,
+                   help="the core of every Pola and NaLa mixer of the model ('triton': the "
                    'Triton kernels, forward and backward, CUDA)')
     return parse_with_common(add_common_args(p), argv)
 
@@ -69,14 +69,14 @@ def main(argv=None):
     elif args.resume is not None:
         cfg.resume = True
         cfg.load_from = args.resume
-    if args.pola_core:
-        print(f'--pola-core: {set_pola_core(cfg, args.pola_core)} Pola mixer configs on core '
-              f'{args.pola_core!r}')
     if args.compile_backbone:
         cfg.custom_hooks = list(cfg.get('custom_hooks', [])) + [
             dict(type='linattn_mm.CompileBackboneHook', backend=args.compile_backbone)]
     apply_launcher_defaults(cfg)
     runner = build_runner(cfg)
+    if args.attn_core:
+        print(f'--attn-core: {set_attention_core(runner.model, args.attn_core)} Pola / NaLa '
+              f'mixers on core {args.attn_core!r}')
     try:
         with safe_globals():  # --resume / load_from: mmengine checkpoints hold HistoryBuffers
             runner.train()

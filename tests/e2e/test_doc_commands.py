@@ -253,6 +253,10 @@ TABLE = {
     '--device meta --warmup 0 --repeats 1 --impls fast triton --compare swin-t pola-pvt-t:pvt-t '
     '--roofline h200':
         Run('benchmark_triton_operations', 'as written (meta tensors: shapes only)'),
+    'python tools/benchmark.py --mode train swin-t nalaformer-t nalaformer-t-linear --sizes '
+    '800x1344 --device meta --warmup 0 --repeats 1 --impls fast triton --compare swin-t '
+    '--roofline h200':
+        Run('benchmark_triton_nala_operations', 'as written (meta tensors: shapes only)'),
     'python tools/benchmark.py --mode train pola-swin-t swin-t nalaformer-t nalaformer-t-linear '
     'linattn-swin-t --sizes 800x1344 --batch 1 --threads 1 --warmup 1 --repeats 5 --compare swin-t '
     'pola-swin-t:linattn-swin-t':
@@ -798,42 +802,63 @@ def case_benchmark_operations(sh, tmp_path):
                          re.M), (name, out[-3000:])
 
 
-def case_benchmark_triton_operations(sh, tmp_path):
-    """The operations, bytes, roofline bounds and peaks of the torch and Triton Pola cores printed
-    are those of the batch-1 rows of the table in docs/benchmarks.md ("The Pola core's Triton
-    training kernels"), the ratios too."""
-    cmd = ('python tools/benchmark.py --mode train swin-t pola-swin-t pvt-t pola-pvt-t --sizes '
-           '800x1344 --device meta --warmup 0 --repeats 1 --impls fast triton --compare swin-t '
-           'pola-pvt-t:pvt-t --roofline h200')
+def _check_triton_table(sh, cmd, header, cols, bases):
+    """Run doc command ``cmd`` and check the batch-1 rows of the docs/benchmarks.md table whose
+    header row starts with ``header`` against its output: per column (target, impl) the
+    operations, peak, GB moved and roofline bound, and for the targets in ``bases`` (target ->
+    baseline column index) the ratios. The batch-8 rows come from the same command with
+    ``--batch 8``."""
     with open(osp.join(REPO, 'docs', 'benchmarks.md'), encoding='utf-8') as f:
         doc = f.read()
+    table = doc[doc.index(header):]
+    table = table[:table.index('\n\n')]
     cell = r' \| \**([\d.]+)(?: ms| MB)?(?: \(([\d.]+)×(?: PVT-T\'s)?\))?\**'
-    cols = (('swin-t', '-'), ('pola-swin-t', 'fast'), ('pola-swin-t', 'triton'), ('pvt-t', '-'),
-            ('pola-pvt-t', 'fast'), ('pola-pvt-t', 'triton'))
-    for batch in (1, ):  # the batch-8 rows: the same command with --batch 8
-        rows = {}
-        for what in ('operations', 'GB moved', 'roofline H200', 'peak'):
-            m = re.search(rf'^\| {what}, batch {batch}' + cell * 6 + r' \|$', doc, re.M)
-            assert m, (what, batch)
-            rows[what] = m.groups()
-        out = sh(cmd, doc_argv(cmd))
-        for i, (name, impl) in enumerate(cols):
-            ops, gb, ms, mb = (rows[w][2 * i] for w in ('operations', 'GB moved', 'roofline H200',
-                                                        'peak'))
-            assert re.search(rf'^{name}\s+{impl}\s+800x1344\s+{ops} ops  peak\s+{mb} MB\s+'
-                             rf'{gb} GB moved\s+[\d.]+ TFLOP  roofline h200 {ms} ms$', out,
-                             re.M), (name, impl, batch, out[-3000:])
-        for i, (name, impl) in enumerate(cols):
-            if name not in ('pola-swin-t', 'pola-pvt-t'):
-                continue
-            base = 'swin-t' if name == 'pola-swin-t' else 'pvt-t'
-            r_ops, r_gb, r_ms, r_mb = (rows[w][2 * i + 1] for w in (
-                'operations', 'GB moved', 'roofline H200', 'peak'))
-            base_ops = rows['operations'][0 if base == 'swin-t' else 6]
-            ops = rows['operations'][2 * i]
-            assert re.search(rf'^{name}\s+{impl}\s+800x1344: operations {r_ops}x \({ops} / '
-                             rf'{base_ops}\); bytes {r_gb}x; roofline {r_ms}x; memory {r_mb}x',
-                             out, re.M), (name, impl, batch, out[-3000:])
+    rows = {}
+    for what in ('operations', 'GB moved', 'roofline H200', 'peak'):
+        m = re.search(rf'^\| {what}, batch 1' + cell * len(cols) + r' \|$', table, re.M)
+        assert m, what
+        rows[what] = m.groups()
+    out = sh(cmd, doc_argv(cmd))
+    for i, (name, impl) in enumerate(cols):
+        ops, gb, ms, mb = (rows[w][2 * i] for w in ('operations', 'GB moved', 'roofline H200',
+                                                    'peak'))
+        assert re.search(rf'^{name}\s+{impl}\s+800x1344\s+{ops} ops  peak\s+{mb} MB\s+'
+                         rf'{gb} GB moved\s+[\d.]+ TFLOP  roofline h200 {ms} ms$', out,
+                         re.M), (name, impl, out[-3000:])
+        if name not in bases:
+            continue
+        r_ops, r_gb, r_ms, r_mb = (rows[w][2 * i + 1] for w in ('operations', 'GB moved',
+                                                                'roofline H200', 'peak'))
+        base_ops = rows['operations'][2 * bases[name]]
+        assert re.search(rf'^{name}\s+{impl}\s+800x1344: operations {r_ops}x \({ops} / '
+                         rf'{base_ops}\); bytes {r_gb}x; roofline {r_ms}x; memory {r_mb}x',
+                         out, re.M), (name, impl, out[-3000:])
+
+
+def case_benchmark_triton_operations(sh, tmp_path):
+    """The operations, bytes, roofline bounds and peaks of the torch and Triton Pola cores printed
+    are those of the batch-1 rows of the Pola table in docs/benchmarks.md ("The Triton training
+    kernels of the Pola and NaLa cores"), the ratios too."""
+    _check_triton_table(
+        sh, 'python tools/benchmark.py --mode train swin-t pola-swin-t pvt-t pola-pvt-t --sizes '
+        '800x1344 --device meta --warmup 0 --repeats 1 --impls fast triton --compare swin-t '
+        'pola-pvt-t:pvt-t --roofline h200',
+        '| float32 training step, 800×1344 | Swin-T (stock) | Pola-Swin-T, torch core',
+        (('swin-t', '-'), ('pola-swin-t', 'fast'), ('pola-swin-t', 'triton'), ('pvt-t', '-'),
+         ('pola-pvt-t', 'fast'), ('pola-pvt-t', 'triton')),
+        {'pola-swin-t': 0, 'pola-pvt-t': 3})
+
+
+def case_benchmark_triton_nala_operations(sh, tmp_path):
+    """The same for the NaLa table (NaLaFormer-T, and with NaLa in all stages)."""
+    _check_triton_table(
+        sh, 'python tools/benchmark.py --mode train swin-t nalaformer-t nalaformer-t-linear '
+        '--sizes 800x1344 --device meta --warmup 0 --repeats 1 --impls fast triton --compare '
+        'swin-t --roofline h200',
+        '| float32 training step, 800×1344 | Swin-T (stock) | NaLaFormer-T, torch core',
+        (('swin-t', '-'), ('nalaformer-t', 'fast'), ('nalaformer-t', 'triton'),
+         ('nalaformer-t-linear', 'fast'), ('nalaformer-t-linear', 'triton')),
+        {'nalaformer-t': 0, 'nalaformer-t-linear': 0})
 
 
 def case_benchmark_train_backbones(sh, tmp_path):

@@ -256,3 +256,36 @@ def test_triton_pola_core_on_meta_is_four_launches_with_their_traffic():
         assert nbytes == want[name], name
         assert nflops == 2 * flops[name] * B * h * N * DP * DP, name
     assert all(t.grad is not None and t.grad.shape == t.shape for t in (q, k, v, p, s, pe))
+
+
+@pytest.mark.skipif(__import__('linattn_mm.ops.pola.triton', fromlist=['triton']).triton is None,
+                    reason='Triton is not installed')
+def test_triton_nala_core_on_meta_is_four_launches_with_their_traffic():
+    # the NaLa Triton core (with the RoPE) on meta tensors: four launches, each one operation
+    # with the bytes of what its kernel reads and writes and the FLOPs of its products (four
+    # (tokens x DP) by (DP x DP) products per token forward, twelve and eight backward)
+    from linattn_mm.ops.nala import nala_attention
+    B, h, (H, W), d, DP = 2, 3, (5, 8), 12, 16
+    N = H * W
+    q, k, v = (torch.empty(B, h, N, d, device='meta', requires_grad=True) for _ in range(3))
+    sin, cos = (torch.empty(N, d, device='meta') for _ in range(2))
+    with TrafficCounter() as tc:
+        out = nala_attention(q, k, v, 3., 1e-6, sin, cos, core='triton')
+        out.backward(torch.empty_like(out))
+    launches = [r for r in tc.records if r[0].startswith('nala_triton')]
+    assert [r[0] for r in launches] == ['nala_triton_keys', 'nala_triton_queries',
+                                        'nala_triton_query_grads', 'nala_triton_key_grads']
+    full, table, bh = B * h * N * d * 4, N * d * 4, B * h
+    mats, means = bh * 4 * DP * DP * 4, bh * 2 * DP * 4
+    want = {'nala_triton_keys': 2 * full + 2 * table + mats + means,  # k, v, sin, cos -> sums
+            'nala_triton_queries': full + mats + means + 2 * table + full,  # q, W, means -> out
+            # q, grad, W, means, sin, cos -> dq, dW, d means
+            'nala_triton_query_grads': 2 * full + mats + means + 2 * table + full + mats + means,
+            # k, v, sin, cos, dW, d sums -> dk, dv
+            'nala_triton_key_grads': 2 * full + 2 * table + mats + means + 2 * full}
+    flops = {'nala_triton_keys': 4, 'nala_triton_queries': 4, 'nala_triton_query_grads': 12,
+             'nala_triton_key_grads': 8}
+    for name, nbytes, nflops, _ in launches:
+        assert nbytes == want[name], name
+        assert nflops == 2 * flops[name] * B * h * N * DP * DP, name
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in (q, k, v))

@@ -8,6 +8,7 @@ float32 arithmetic alone (the kernels' products use ``input_precision='ieee'``, 
 in the input's dtype differs by that dtype's rounding. Fresh random inputs for every case; NaN
 never passes. Skipped on machines without CUDA (the interpreter tests in
 ``test_pola_triton.py`` / ``test_nala_triton.py`` run the same kernels on CPU there)."""
+import copy
 import zlib
 
 import pytest
@@ -146,6 +147,52 @@ def test_nala_core_on_cuda(B, d, dtype, rope):
         assert got.shape == (B, h, N, d) and got.dtype == out_dtype
         err = rel(got, want)
         assert err < OUT_TOL[out_dtype], f'{dtype} -> {out_dtype}: relative error {err:.3g}'
+
+
+
+@pytest.mark.parametrize('B', [1, 8])
+@pytest.mark.parametrize('d', [12, 32, 64])
+@pytest.mark.parametrize('dtype', sorted(DTYPES))
+@pytest.mark.parametrize('rope', [True, False])
+def test_nala_core_gradients_on_cuda(B, d, dtype, rope):
+    """The NaLa Triton backward: the gradients of q, k, v (in their dtype) against plain
+    autograd of the float64 reference core."""
+    from linattn_mm.ops.nala.triton import nala_attention_triton
+    dt = DTYPES[dtype]
+    g = seeded('nala grad', B, d, dtype, rope)
+    h, N = 2, GRID[0] * GRID[1]
+    q = strided_queries(B, h, N, d, g).to(dt)
+    k, v = (torch.randn(B, h, N, d, device='cuda', generator=g) for _ in range(2))
+    leaves = [t.requires_grad_() for t in (q, (0.7 * k).to(dt), v.to(dt))]
+    sin, cos = RoPE2d(d).cuda()(GRID) if rope else (None, None)
+    grad = torch.randn(B, h, N, d, device='cuda', generator=g)
+    out = nala_attention_triton(*leaves, 3., 1e-6, sin, cos, out_dtype=torch.float32)
+    got = torch.autograd.grad(out, leaves, grad)
+    ref = [t.detach().double().requires_grad_() for t in leaves]
+    want = torch.autograd.grad(
+        nala_reference_core(*ref, 3., 1e-6, (sin.double(), cos.double()) if rope else None), ref,
+        grad.double())
+    for name, a, b, leaf in zip('qkv', got, want, leaves):
+        assert a.dtype == leaf.dtype and a.shape == leaf.shape, name
+        err = rel(a, b)
+        assert err < OUT_TOL[a.dtype], f'{dtype} d{d}: d{name} relative error {err:.3g}'
+
+
+def test_nalaformer_trains_on_cuda_with_the_triton_core(monkeypatch):
+    """A training step of a NaLaFormer with NaLa in every stage, every mixer on the Triton core,
+    against the float64 reference cores: within the float32 error of the same step on the
+    default torch core (or 1e-5)."""
+    monkeypatch.setattr(torch.backends.cudnn, 'allow_tf32', False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, 'allow_tf32', False)
+    torch.manual_seed(0)
+    net = NaLaFormer(arch=dict(embed_dims=[32, 64, 64, 64], depths=[1, 1, 1, 1],
+                               num_heads=[1, 2, 2, 2], mlp_ratios=[2, 2, 2, 2]),
+                     attn_cfg=dict(type='NormAwareLinearAttention'), out_indices=(0, 1, 2, 3),
+                     drop_path_rate=0., norm_eval=True).cuda().train()
+    x = torch.randn(2, 3, 4 * GRID[0], 4 * GRID[1], device='cuda')
+    baseline = train_vs_reference(copy.deepcopy(net), NormAwareLinearAttention, x, core='fast')
+    err = train_vs_reference(net, NormAwareLinearAttention, x)
+    assert err < max(1e-5, 1.5 * baseline), (err, baseline)
 
 
 def _converted_vs_reference(net, mixer_cls, x, monkeypatch):

@@ -1,8 +1,8 @@
 """Run by tests/kernels/test_pola_triton.py and tests/kernels/test_nala_triton.py in a subprocess with
 ``TRITON_INTERPRET=1`` (Triton's interpreter runs the kernels on CPU tensors; the variable must be
 set before the kernels are defined). Arguments: ``pola``, ``pola-grad`` (the Pola kernels'
-backward: the gradients of the core, of modules and of a backbone) and / or ``nala`` (default
-``pola`` and ``nala``). Prints one JSON object: case name -> relative error against the float64
+backward: the gradients of the core, of modules and of a backbone), ``nala`` and / or
+``nala-grad`` (the same for NaLa) (default ``pola`` and ``nala``). Prints one JSON object: case name -> relative error against the float64
 reference."""
 import copy
 import json
@@ -151,15 +151,15 @@ def run_core_grads(res):
             res[f'grad {name}: {names[j]}'] = rel(a, b)
 
 
-def train_vs_reference(net, mixer_cls, *inputs):
+def train_vs_reference(net, mixer_cls, *inputs, core='triton'):
     """Largest relative error over the output, the input's gradient and every parameter's
-    gradient of a training step of ``net`` (float32, every ``mixer_cls`` on the Triton core)
-    against a float64 copy on the reference cores (loss: the outputs times fixed random
-    tensors)."""
+    gradient of a training step of ``net`` (float32, every ``mixer_cls`` on ``core``, the Triton
+    core by default) against a float64 copy on the reference cores (loss: the outputs times fixed
+    random tensors)."""
     ref = copy.deepcopy(net).double()
     for m in net.modules():
         if isinstance(m, mixer_cls):
-            m.core = 'triton'
+            m.core = core
     for m in ref.modules():
         if isinstance(m, mixer_cls):
             m.core = 'reference'
@@ -249,6 +249,52 @@ def run_nala(res):
                                                      torch.randn(1, 3, 64, 96))
 
 
+
+def run_nala_grads(res):
+    """The NaLa Triton forward and backward against plain autograd of the float64 reference core
+    on the same (rounded) inputs (q, k, v get their gradients in their dtype), then training
+    steps of modules and of a NaLaFormer with NaLa in every stage."""
+    for i, (name, B, h, hw, d, rope, lam, dt) in enumerate(nala_cases()):
+        g = torch.Generator().manual_seed(200 + i)
+        N = hw[0] * hw[1]
+        q = torch.randn(B, N, h * 4 * d, generator=g)[..., 1::4]  # strided, like an unbind view
+        q = q.reshape(B, N, h, d).transpose(1, 2)
+        k, v = (torch.randn(B, h, N, d, generator=g) for _ in range(2))
+        leaves = [t.to(dt).requires_grad_() for t in (q, 0.7 * k, v)]
+        grad = torch.randn(B, h, N, d, generator=g)
+        sin, cos = RoPE2d(d)(hw) if rope else (None, None)
+        out = nala_attention_triton(*leaves, lam, 1e-6, sin, cos, out_dtype=torch.float32)
+        got = torch.autograd.grad(out, leaves, grad)
+        ref = [t.detach().double().requires_grad_() for t in leaves]
+        table = None if sin is None else (sin.double(), cos.double())
+        want_out = nala_reference_core(*ref, lam, 1e-6, table)
+        want = torch.autograd.grad(want_out, ref, grad.double())
+        res[f'grad {name}: out'] = rel(out, want_out)
+        for nm, a, b, leaf in zip('qkv', got, want, leaves):
+            assert a.dtype == leaf.dtype and a.shape == leaf.shape, nm
+            res[f'grad {name}: {nm}'] = rel(a, b)
+    for i, (name, kw, hw) in enumerate([('train nala module rope', {}, (11, 13)),
+                                        ('train nala module no rope, lam 2',
+                                         dict(use_rope=False, power=2.), (6, 9))]):
+        torch.manual_seed(i)
+        m = NormAwareLinearAttention(32, 2, **kw).train()
+        res[name] = train_vs_reference(m, NormAwareLinearAttention,
+                                       torch.randn(2, hw[0] * hw[1], 32), hw)
+    torch.manual_seed(0)
+    net = NaLaFormer(arch=dict(embed_dims=[16, 32, 32, 32], depths=[1, 1, 1, 1],
+                               num_heads=[1, 2, 2, 2], mlp_ratios=[2, 2, 2, 2]),
+                     attn_cfg=dict(type='NormAwareLinearAttention'), with_cp=True,
+                     drop_path_rate=0., norm_eval=True).train()  # BN: running statistics (in
+    # training mode a bias before a BN has no gradient, 0 against float rounding)
+    x = torch.randn(2, 3, 64, 96)
+    # the float32 error of the whole network with the default torch core, the baseline of the
+    # Triton core's (a LayerNorm or bias gradient summed over the tokens meets 1e-5 either way)
+    res['train NaLaFormer backbone, with_cp, torch core (baseline)'] = train_vs_reference(
+        copy.deepcopy(net), NormAwareLinearAttention, x, core='fast')
+    res['train NaLaFormer backbone, with_cp'] = train_vs_reference(
+        net, NormAwareLinearAttention, x)
+
+
 if __name__ == '__main__':
     results = {}
     which = sys.argv[1:] or ['pola', 'nala']
@@ -260,4 +306,6 @@ if __name__ == '__main__':
         run_module_grads(results)
     if 'nala' in which:
         run_nala(results)
+    if 'nala-grad' in which:
+        run_nala_grads(results)
     json.dump(results, sys.stdout)

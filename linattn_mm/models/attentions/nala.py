@@ -46,7 +46,8 @@ Kernels: the core (feature maps, RoPE, normaliser, the two small GEMMs) runs thr
 :func:`linattn_mm.ops.nala.nala_attention`, chosen once by ``core``: ``'fast'`` (the torch kernel
 of the official kernel with the training Function of :mod:`linattn_mm.ops.nala.autograd`; the
 default, for both kernels), ``'reference'`` (plain autograd of the official order of operations and
-of the paper's kernel, :mod:`linattn_mm.ops.nala.reference`) or ``'triton'`` (CUDA inference).
+of the paper's kernel, :mod:`linattn_mm.ops.nala.reference`) or ``'triton'`` (the Triton kernels,
+forward and backward, CUDA only).
 The inference forms of the whole layer come from :func:`linattn_mm.deploy.convert` (for the official
 kernel with LePE and the norm-aware power; other settings keep the training form).
 
@@ -258,7 +259,8 @@ class NormAwareLinearAttention(NaLaMixerBase):
             (default: the training Function, whose backward recomputes the feature maps; equal to
             the reference up to float rounding, gradients included), ``'reference'`` (plain
             autograd of the official order of operations; the test oracle) or ``'triton'``
-            (forward-only CUDA kernel of the official kernel, set by
+            (the Triton kernels of the official kernel with their Triton backward, CUDA only:
+            ``attn_cfg=dict(..., core='triton')`` trains with them; set by
             :func:`linattn_mm.deploy.convert` for CUDA inference).
         init_cfg (dict, optional): mmengine init config.
 

@@ -11,13 +11,15 @@ numerator features, or None.
   power, the RoPE folded into the small matrices; with :mod:`.autograd`, the training Function
   that keeps q, k, v and small matrices for its analytic backward (``core='fast'``, the default;
   the paper's kernel: its reference recomputed in the backward);
-* :mod:`.triton` — the Triton kernel of the official kernel, CUDA inference (``core='triton'``);
+* :mod:`.triton` — the Triton kernels of the official kernel, forward and backward on CUDA
+  (``core='triton'``; set by :func:`linattn_mm.deploy.convert` for CUDA inference, chosen in
+  ``attn_cfg`` for training);
 * :mod:`.chunked_cpu` — the whole layer in CPU inference, chunk by chunk (used by
   :func:`linattn_mm.deploy.convert`).
 
 :func:`nala_attention` runs the core a mixer names.
 """
-from ..common import core_dtype, grad_needed, no_autocast
+from ..common import core_dtype, no_autocast
 from ..dispatch import check_core
 from .autograd import nala_attention_fast
 from .fast import RopeTables, rope_turn, rope_turns, rotate_pairs
@@ -47,9 +49,6 @@ def nala_attention(q, k, v, power=3., eps=1e-6, sin=None, cos=None, kernel='offi
     if query_power is not None and core == 'triton':
         raise ValueError("nala_attention: a constant query_power has no Triton core")
     if core == 'triton':
-        if grad_needed(q, k, v, sin, cos):
-            raise RuntimeError("nala_attention: core='triton' is forward-only and a gradient is "
-                               "needed here; train with core='fast' or 'reference'")
         from .triton import nala_attention_triton
         return nala_attention_triton(q, k, v, power, eps, sin, cos,
                                      out_dtype=out_dtype or v.dtype)

@@ -1,5 +1,5 @@
-"""Triton kernel of NaLaFormer's norm-aware linear attention core (official kernel), for CUDA
-inference.
+"""Triton kernels of NaLaFormer's norm-aware linear attention core (official kernel), for CUDA
+inference and training.
 
 Same maths as :func:`linattn_mm.ops.nala.fast.nala_attention_fast` (and the reference
 :func:`~linattn_mm.ops.nala.reference.nala_attention_reference`), in two passes over the tokens
@@ -19,15 +19,38 @@ with the feature maps made in registers, as the Pola kernel (:mod:`linattn_mm.op
 
 Inputs may be float32, bfloat16 or float16 (every feature, product and sum is float32); matmuls use
 ``input_precision='ieee'``. Head dims are padded to a power of two ≥ 16 inside the kernel (masked
-loads). Forward only: ``core='triton'`` on the mixer, which :func:`linattn_mm.deploy.convert`
-sets for CUDA inference. ``TRITON_INTERPRET=1`` runs the same kernels on CPU tensors.
-"""
-import torch
+loads).
 
-from ..pola.triton import _num_splits, check_qkv, triton
+**Training** (:class:`NormAwareAttentionTriton`): the forward keeps q, k, v as they came and the
+small matrices; the backward is two more passes that recompute the features in registers (the
+formulas of :mod:`linattn_mm.ops.nala.autograd`):
+
+3. **Query gradients** (grid: batch·heads × query chunks). With ``dnum = g / den`` and
+   ``dden = -Σ_c dnum_c num_c / den``: the four small matrices' gradients ``(φ±·cos)ᵀdnum``,
+   ``(φ±·sin)ᵀdnum`` and the key means' ``Σ dden φ±`` are summed per chunk; ``dφ± = (dnum W±ᵀ)·cos
+   + (dnum W'±ᵀ)·sin + dden·mean(φ_k±)``, then through the power with ``G = dφ·a``, ``u = q/‖q‖``:
+   ``dq = G p / q + u (dp·lam (1 - tanh²‖q‖) - p ΣG / ‖q‖)``, ``dp = ln 2 Σ G (log2|q| - log2‖q‖)``.
+4. **Key gradients** (grid: batch·heads × key chunks). The gradient of ``M`` goes back through
+   ``rot_rows`` on the small matrices (torch, between the passes: ``dA_cos = dM``, ``dA_sin =
+   -rot_rows(dM)``); each program then writes ``dv = (k±·cos) dA_cos± + (k±·sin) dA_sin±`` and
+   ``dk = (dk+ [c > 0] - dk- [c < 0]) lam |k|^(lam - 1)`` with ``dk± = (v dA_cos±ᵀ)·cos + (v
+   dA_sin±ᵀ)·sin + d mean(φ_k±) / n``.
+
+The launches are torch operators (``torch.ops.linattn_mm.nala_triton_*``) with fake forms, so on
+``meta`` tensors they make their outputs' shapes and the counters of :mod:`linattn_mm.utils`
+count them. ``core='triton'`` on the mixer (inference and training; CUDA only), which
+:func:`linattn_mm.deploy.convert` sets for CUDA inference. ``TRITON_INTERPRET=1`` runs the same
+kernels on CPU tensors.
+"""
+from typing import Optional, Tuple
+
+import torch
+from torch.utils.flop_counter import register_flop_formula
+
+from ..pola.triton import _padded, _partials, _split, check_qkv, triton
 from .fast import _rot_rows
 
-__all__ = ['nala_attention_triton']
+__all__ = ['nala_attention_triton', 'NormAwareAttentionTriton']
 
 if triton is not None:
     import triton.language as tl
@@ -131,6 +154,366 @@ if triton is not None:
         tl.store(O + b * s_ob + rm[:, None] * s_on + head * s_oh + rd[None, :] * s_od,
                  out.to(O.dtype.element_ty), mask=m)
 
+    @triton.jit
+    def _query_terms(y, lam):
+        """Per row of a float32 tile: ``‖q‖`` (clamped at 1e-12), ``tanh(‖q‖)``, the power
+        ``p = lam (0.5 + tanh)``, ``log2|q| - log2‖q‖`` and ``a = |q / ‖q‖|^p``."""
+        qn = tl.maximum(tl.sqrt(tl.sum(y * y, axis=1)), 1e-12)
+        tanh = 1.0 - 2.0 / (tl.exp(2.0 * qn) + 1.0)
+        p = lam * (0.5 + tanh)
+        lu = tl.log2(tl.abs(y)) - tl.log2(qn)[:, None]
+        return qn, tanh, p, lu, tl.exp2(p[:, None] * lu)
+
+    @triton.jit
+    def _nala_query_grad_kernel(Q, G, W, KM, SIN, COS, DQ, DW, DKM, N, h, chunk, lam, eps,
+                                s_qb, s_qh, s_qn, s_qd, s_gb, s_gh, s_gn, s_gd,
+                                s_db, s_dh, s_dn, s_dd, s_rn, s_rd,
+                                D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
+                                HAS_ROPE: tl.constexpr):
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        b = bh // h
+        head = bh % h
+        rd = tl.arange(0, DP)
+        dmask = rd < D
+        w = W + bh * 4 * DP * DP + rd[:, None] * DP + rd[None, :]
+        w0 = tl.load(w)
+        w1 = tl.load(w + DP * DP)
+        km_pos = tl.load(KM + bh * 2 * DP + rd)
+        km_neg = tl.load(KM + bh * 2 * DP + DP + rd)
+        dw0 = tl.zeros((DP, DP), dtype=tl.float32)
+        dw1 = tl.zeros((DP, DP), dtype=tl.float32)
+        dkm_pos = tl.zeros((DP, ), dtype=tl.float32)
+        dkm_neg = tl.zeros((DP, ), dtype=tl.float32)
+        if HAS_ROPE:
+            w2 = tl.load(w + 2 * DP * DP)
+            w3 = tl.load(w + 3 * DP * DP)
+            dw2 = tl.zeros((DP, DP), dtype=tl.float32)
+            dw3 = tl.zeros((DP, DP), dtype=tl.float32)
+        start = split * chunk
+        for off in range(0, chunk, BLOCK_M):
+            rm = start + off + tl.arange(0, BLOCK_M)
+            m = (rm < N)[:, None] & dmask[None, :]
+            y = _load_tile(Q, b, head, rm, rd, s_qb, s_qh, s_qn, s_qd, m)
+            qn, tanh, p, lu, a = _query_terms(y, lam)
+            pos = tl.where(y > 0, a, 0.0)
+            neg = tl.where(y < 0, a, 0.0)
+            den = tl.sum(pos * km_pos[None, :] + neg * km_neg[None, :], axis=1) + eps
+            if HAS_ROPE:
+                r = rm[:, None] * s_rn + rd[None, :] * s_rd
+                cs = tl.load(COS + r, mask=m, other=0.0).to(tl.float32)
+                sn = tl.load(SIN + r, mask=m, other=0.0).to(tl.float32)
+                pc, nc, ps, ns = pos * cs, neg * cs, pos * sn, neg * sn
+                num = tl.dot(pc, w0, input_precision='ieee')
+                num += tl.dot(nc, w1, input_precision='ieee')
+                num += tl.dot(ps, w2, input_precision='ieee')
+                num += tl.dot(ns, w3, input_precision='ieee')
+            else:
+                num = tl.dot(pos, w0, input_precision='ieee')
+                num += tl.dot(neg, w1, input_precision='ieee')
+            g = _load_tile(G, b, head, rm, rd, s_gb, s_gh, s_gn, s_gd, m)
+            dnum = g / den[:, None]
+            dden = -tl.sum(dnum * num, axis=1) / den
+            dkm_pos += tl.sum(pos * dden[:, None], axis=0)
+            dkm_neg += tl.sum(neg * dden[:, None], axis=0)
+            dpos = dden[:, None] * km_pos[None, :]
+            dneg = dden[:, None] * km_neg[None, :]
+            if HAS_ROPE:
+                dw0 += tl.dot(tl.trans(pc), dnum, input_precision='ieee')
+                dw1 += tl.dot(tl.trans(nc), dnum, input_precision='ieee')
+                dw2 += tl.dot(tl.trans(ps), dnum, input_precision='ieee')
+                dw3 += tl.dot(tl.trans(ns), dnum, input_precision='ieee')
+                dpos += tl.dot(dnum, tl.trans(w0), input_precision='ieee') * cs + \
+                    tl.dot(dnum, tl.trans(w2), input_precision='ieee') * sn
+                dneg += tl.dot(dnum, tl.trans(w1), input_precision='ieee') * cs + \
+                    tl.dot(dnum, tl.trans(w3), input_precision='ieee') * sn
+            else:
+                dw0 += tl.dot(tl.trans(pos), dnum, input_precision='ieee')
+                dw1 += tl.dot(tl.trans(neg), dnum, input_precision='ieee')
+                dpos += tl.dot(dnum, tl.trans(w0), input_precision='ieee')
+                dneg += tl.dot(dnum, tl.trans(w1), input_precision='ieee')
+            # through |q / ||q|| |^p: G = da a; with u = q / ||q||, du u = G p per channel, and
+            # dq = (du - u (du . u)) / ||q|| + dp lam (1 - tanh^2) u,  dp = ln 2 sum G log2|u|
+            nz = y != 0
+            ga = tl.where(y > 0, dpos, tl.where(y < 0, dneg, 0.0)) * a
+            dp = tl.sum(tl.where(nz, ga * lu, 0.0), axis=1) * 0.6931471805599453
+            dqn = dp * lam * (1.0 - tanh * tanh)
+            u = y / qn[:, None]
+            dq = tl.where(nz, ga * p[:, None] / y, 0.0) + \
+                u * ((dqn - p * tl.sum(ga, axis=1) / qn)[:, None])
+            tl.store(DQ + b * s_db + head * s_dh + rm[:, None] * s_dn + rd[None, :] * s_dd,
+                     dq.to(DQ.dtype.element_ty), mask=m)
+        part = bh * tl.num_programs(1) + split
+        dw = DW + part * 4 * DP * DP + rd[:, None] * DP + rd[None, :]
+        tl.store(dw, dw0)
+        tl.store(dw + DP * DP, dw1)
+        if HAS_ROPE:
+            tl.store(dw + 2 * DP * DP, dw2)
+            tl.store(dw + 3 * DP * DP, dw3)
+        tl.store(DKM + part * 2 * DP + rd, dkm_pos)
+        tl.store(DKM + part * 2 * DP + DP + rd, dkm_neg)
+
+    @triton.jit
+    def _nala_key_grad_kernel(K, V, SIN, COS, C, DKS, DK, DV, n, h, chunk, lam,
+                              s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
+                              s_dkb, s_dkh, s_dkn, s_dkd, s_dvb, s_dvh, s_dvn, s_dvd, s_rn, s_rd,
+                              D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
+                              HAS_ROPE: tl.constexpr, CUBE: tl.constexpr,
+                              WANT_DK: tl.constexpr, WANT_DV: tl.constexpr):
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        b = bh // h
+        head = bh % h
+        rd = tl.arange(0, DP)
+        dmask = rd < D
+        c = C + bh * 4 * DP * DP + rd[:, None] * DP + rd[None, :]
+        c_pos = tl.load(c)  # gradients of the key-side sums (the 1 / n included)
+        c_neg = tl.load(c + DP * DP)
+        if HAS_ROPE:
+            s_pos = tl.load(c + 2 * DP * DP)
+            s_neg = tl.load(c + 3 * DP * DP)
+        dks_pos = tl.load(DKS + bh * 2 * DP + rd)
+        dks_neg = tl.load(DKS + bh * 2 * DP + DP + rd)
+        start = split * chunk
+        for off in range(0, chunk, BLOCK_N):
+            rn = start + off + tl.arange(0, BLOCK_N)
+            m = (rn < n)[:, None] & dmask[None, :]
+            y = _load_tile(K, b, head, rn, rd, s_kb, s_kh, s_kn, s_kd, m)
+            kc = _key_power(y, lam, CUBE)
+            kp = tl.maximum(kc, 0.0)
+            kn = kp - kc
+            v = _load_tile(V, b, head, rn, rd, s_vb, s_vh, s_vn, s_vd, m)
+            if HAS_ROPE:
+                r = rn[:, None] * s_rn + rd[None, :] * s_rd
+                cs = tl.load(COS + r, mask=m, other=0.0).to(tl.float32)
+                sn = tl.load(SIN + r, mask=m, other=0.0).to(tl.float32)
+                if WANT_DV:
+                    dv = tl.dot(kp * cs, c_pos, input_precision='ieee')
+                    dv += tl.dot(kn * cs, c_neg, input_precision='ieee')
+                    dv += tl.dot(kp * sn, s_pos, input_precision='ieee')
+                    dv += tl.dot(kn * sn, s_neg, input_precision='ieee')
+                dkp = tl.dot(v, tl.trans(c_pos), input_precision='ieee') * cs + \
+                    tl.dot(v, tl.trans(s_pos), input_precision='ieee') * sn
+                dkn = tl.dot(v, tl.trans(c_neg), input_precision='ieee') * cs + \
+                    tl.dot(v, tl.trans(s_neg), input_precision='ieee') * sn
+            else:
+                if WANT_DV:
+                    dv = tl.dot(kp, c_pos, input_precision='ieee')
+                    dv += tl.dot(kn, c_neg, input_precision='ieee')
+                dkp = tl.dot(v, tl.trans(c_pos), input_precision='ieee')
+                dkn = tl.dot(v, tl.trans(c_neg), input_precision='ieee')
+            if WANT_DV:
+                tl.store(DV + b * s_dvb + head * s_dvh + rn[:, None] * s_dvn + rd[None, :] * s_dvd,
+                         dv.to(DV.dtype.element_ty), mask=m)
+            if WANT_DK:
+                dkp += dks_pos[None, :]
+                dkn += dks_neg[None, :]
+                dc = tl.where(kc > 0, dkp, tl.where(kc < 0, -dkn, 0.0))
+                if CUBE:
+                    dk = dc * 3.0 * y * y
+                else:  # d(sign(y) |y|^lam) = lam |y|^(lam - 1)
+                    dk = tl.where(y != 0, dc * lam * tl.exp2((lam - 1.0) * tl.log2(tl.abs(y))),
+                                  0.0)
+                tl.store(DK + b * s_dkb + head * s_dkh + rn[:, None] * s_dkn + rd[None, :] * s_dkd,
+                         dk.to(DK.dtype.element_ty), mask=m)
+
+
+
+# ------------------------------------------------------------------------------------------------
+# The four launches as operators (``torch.ops.linattn_mm.nala_triton_*``, as Pola's): one
+# operation each, with fake forms for ``meta`` tensors.
+# ------------------------------------------------------------------------------------------------
+_LIB = 'linattn_mm::'
+
+
+def _keys_outputs(k, block_n):
+    B, h, n, d = k.shape
+    DP = _padded(d)
+    splits, chunk = _split(n, B * h, block_n, k.device)
+    return (_partials(B * h, splits, k.device, 4, DP, DP),
+            _partials(B * h, splits, k.device, 2, DP)), chunk
+
+
+def _rope_args(sin, cos, fallback):
+    if sin is None:
+        return fallback, fallback, (0, 0)
+    return sin, cos, cos.stride()
+
+
+@torch.library.custom_op(_LIB + 'nala_triton_keys', mutates_args=())
+def _keys_op(k: torch.Tensor, v: torch.Tensor, sin: Optional[torch.Tensor],
+             cos: Optional[torch.Tensor], lam: float,
+             block_n: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Pass 1: per key chunk, the partial sums ``(k±[·cos])ᵀv``, ``(k±·sin)ᵀv`` (B·h, splits, 4,
+    DP, DP) and ``Σk±`` (B·h, splits, 2, DP)."""
+    B, h, n, d = k.shape
+    (acc, ks), chunk = _keys_outputs(k, block_n)
+    sin_t, cos_t, rs = _rope_args(sin, cos, k)
+    DP = _padded(d)
+    _nala_keys_kernel[(B * h, acc.shape[1])](
+        k, v, sin_t, cos_t, acc, ks, n, h, chunk, lam, *k.stride(), *v.stride(), *rs,
+        D=d, DP=DP, BLOCK_N=block_n, HAS_ROPE=sin is not None, CUBE=lam == 3.0,
+        # four (DP x DP) float32 accumulators with the RoPE: spread them over more threads for
+        # NaLaFormer's d = 64 (a register-pressure choice, not yet timed on a GPU)
+        num_warps=8 if sin is not None and DP >= 64 else 4)
+    return acc, ks
+
+
+@_keys_op.register_fake
+def _(k, v, sin, cos, lam, block_n):
+    return _keys_outputs(k, block_n)[0]
+
+
+@torch.library.custom_op(_LIB + 'nala_triton_queries', mutates_args=())
+def _queries_op(q: torch.Tensor, w: torch.Tensor, km: torch.Tensor, sin: Optional[torch.Tensor],
+                cos: Optional[torch.Tensor], lam: float, eps: float, block_m: int,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """Pass 2: the normalised output, a (B, N, h, d) buffer."""
+    B, h, N, d = q.shape
+    out = q.new_empty(B, N, h, d, dtype=out_dtype)
+    sin_t, cos_t, rs = _rope_args(sin, cos, q)
+    _nala_queries_kernel[(B * h, triton.cdiv(N, block_m))](
+        q, w, km, sin_t, cos_t, out, N, h, lam, eps, *q.stride(), *out.stride(), *rs,
+        D=d, DP=_padded(d), BLOCK_M=block_m, HAS_ROPE=sin is not None)
+    return out
+
+
+@_queries_op.register_fake
+def _(q, w, km, sin, cos, lam, eps, block_m, out_dtype):
+    B, h, N, d = q.shape
+    return q.new_empty(B, N, h, d, dtype=out_dtype)
+
+
+def _query_grad_outputs(q, block_m):
+    B, h, N, d = q.shape
+    DP = _padded(d)
+    splits, chunk = _split(N, B * h, block_m, q.device)
+    return (q.new_empty(B, N, h, d), _partials(B * h, splits, q.device, 4, DP, DP),
+            _partials(B * h, splits, q.device, 2, DP)), chunk
+
+
+@torch.library.custom_op(_LIB + 'nala_triton_query_grads', mutates_args=())
+def _query_grads_op(q: torch.Tensor, grad: torch.Tensor, w: torch.Tensor, km: torch.Tensor,
+                    sin: Optional[torch.Tensor], cos: Optional[torch.Tensor], lam: float,
+                    eps: float, block_m: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pass 3: dq (a (B, N, h, d) buffer in q's dtype) and per query chunk the partial sums of the
+    gradients of the four query-side matrices and of the key feature means."""
+    B, h, N, d = q.shape
+    (dq, dw, dkm), chunk = _query_grad_outputs(q, block_m)
+    if sin is None:
+        dw[:, :, 2:].zero_()  # the RoPE's two matrices: none
+    dq_t = dq.transpose(1, 2)
+    sin_t, cos_t, rs = _rope_args(sin, cos, q)
+    DP = _padded(d)
+    _nala_query_grad_kernel[(B * h, dw.shape[1])](
+        q, grad, w, km, sin_t, cos_t, dq_t, dw, dkm, N, h, chunk, lam, eps, *q.stride(),
+        *grad.stride(), *dq_t.stride(), *rs, D=d, DP=DP, BLOCK_M=block_m,
+        HAS_ROPE=sin is not None, num_warps=8 if sin is not None and DP >= 64 else 4)
+    return dq, dw, dkm
+
+
+@_query_grads_op.register_fake
+def _(q, grad, w, km, sin, cos, lam, eps, block_m):
+    return _query_grad_outputs(q, block_m)[0]
+
+
+def _key_grad_outputs(k, want_dk, want_dv, v_dtype):
+    B, h, n, d = k.shape
+    return (k.new_empty((B, n, h, d) if want_dk else (0, )),
+            k.new_empty((B, n, h, d) if want_dv else (0, ), dtype=v_dtype))
+
+
+@torch.library.custom_op(_LIB + 'nala_triton_key_grads', mutates_args=())
+def _key_grads_op(k: torch.Tensor, v: torch.Tensor, sin: Optional[torch.Tensor],
+                  cos: Optional[torch.Tensor], c: torch.Tensor, dks: torch.Tensor, lam: float,
+                  want_dk: bool, want_dv: bool,
+                  block_n: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Pass 4: dk and dv, (B, n, h, d) buffers (empty where not wanted), from the gradients of the
+    key-side sums ``c`` (B·h, 4, DP, DP) and of the key feature sums ``dks`` (B·h, 2, DP)."""
+    B, h, n, d = k.shape
+    dk, dv = _key_grad_outputs(k, want_dk, want_dv, v.dtype)
+    dk_t = dk.transpose(1, 2) if want_dk else k
+    dv_t = dv.transpose(1, 2) if want_dv else v
+    sin_t, cos_t, rs = _rope_args(sin, cos, k)
+    splits, chunk = _split(n, B * h, block_n, k.device)
+    DP = _padded(d)
+    _nala_key_grad_kernel[(B * h, splits)](
+        k, v, sin_t, cos_t, c, dks, dk, dv, n, h, chunk, lam, *k.stride(), *v.stride(),
+        *dk_t.stride(), *dv_t.stride(), *rs, D=d, DP=DP, BLOCK_N=block_n,
+        HAS_ROPE=sin is not None, CUBE=lam == 3.0, WANT_DK=want_dk, WANT_DV=want_dv,
+        num_warps=8 if sin is not None and DP >= 64 else 4)
+    return dk, dv
+
+
+@_key_grads_op.register_fake
+def _(k, v, sin, cos, c, dks, lam, want_dk, want_dv, block_n):
+    return _key_grad_outputs(k, want_dk, want_dv, v.dtype)
+
+
+def _dot_flops(factor):
+    """FLOP formula of a launch whose products are ``factor`` (tokens × DP) by (DP × DP) products
+    per token (with the RoPE; elementwise work not counted)."""
+    def formula(x_shape, *args, **kwargs):  # tensors come as their shapes
+        B, h, L, d = x_shape
+        return 2 * factor * B * h * L * _padded(d) ** 2
+    return formula
+
+
+for _op, _factor in (('nala_triton_keys', 4), ('nala_triton_queries', 4),
+                     ('nala_triton_query_grads', 12), ('nala_triton_key_grads', 8)):
+    register_flop_formula(getattr(torch.ops.linattn_mm, _op))(_dot_flops(_factor))
+
+
+class NormAwareAttentionTriton(torch.autograd.Function):
+    """The Triton NaLa core (official kernel) with its Triton backward: passes 1-2 of the module
+    docstring forward; the backward recomputes the features in registers in two more passes
+    (3: queries: ``dq`` and the gradients of the four query-side matrices and of the key means;
+    4: keys: ``dk``, ``dv``). Keeps q, k, v as they came and the small per-head matrices; q, k, v
+    get their gradients in their own dtypes. Inputs: q, k, v (B, h, N, d), lam, eps, sin, cos
+    ((N, d) or None), out_dtype, block_n, block_m."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lam, eps, sin, cos, out_dtype, block_n, block_m):
+        B, h, N, n, d = check_qkv('nala_attention_triton', q, k, v, meta=True)
+        DP = _padded(d)
+        acc, ks = torch.ops.linattn_mm.nala_triton_keys(k, v, sin, cos, lam, block_n)
+        acc = acc.sum(1).mul_(1.0 / n)  # (B*h, 4, DP, DP)
+        km = ks.sum(1).mul_(1.0 / n)  # key feature means (B*h, 2, DP)
+        if sin is not None:
+            # M = sum_j R(phi_j) v_j^T / n per sign half; the queries meet [M+, M-, -rot(M+),
+            # -rot(M-)] (rows pair up within each half: d is even and the padding rows are zero)
+            mat = acc[:, :2] + _rot_rows(acc[:, 2:])
+            w = torch.cat([mat, -_rot_rows(mat)], dim=1)
+        else:
+            w = acc
+        out = torch.ops.linattn_mm.nala_triton_queries(q, w, km, sin, cos, lam, eps, block_m,
+                                                       out_dtype or v.dtype)
+        ctx.save_for_backward(q, k, v, sin, cos, w, km)
+        ctx.args = (lam, eps, block_n, block_m, DP)
+        return out.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, sin, cos, w, km = ctx.saved_tensors
+        lam, eps, block_n, block_m, DP = ctx.args
+        need = ctx.needs_input_grad
+        n = k.shape[2]
+        dq, dw, dkm = torch.ops.linattn_mm.nala_triton_query_grads(q, grad, w, km, sin, cos, lam,
+                                                                   eps, block_m)
+        dw, dkm = dw.sum(1), dkm.sum(1).mul_(1.0 / n)  # dkm: of the key feature sums
+        if sin is not None:
+            # W = [M, -rot(M)] -> dM = dW[:2] + rot(dW[2:]) (rot^T = -rot); M = A_cos +
+            # rot(A_sin) -> dA_cos = dM, dA_sin = -rot(dM); the sums' 1 / n
+            dm = dw[:, :2] + _rot_rows(dw[:, 2:])
+            c = torch.cat([dm, -_rot_rows(dm)], dim=1).mul_(1.0 / n)
+        else:
+            c = dw.mul_(1.0 / n)
+        dk, dv = torch.ops.linattn_mm.nala_triton_key_grads(k, v, sin, cos, c, dkm, lam, need[1],
+                                                            need[2], block_n)
+        return (dq.transpose(1, 2) if need[0] else None, dk.transpose(1, 2) if need[1] else None,
+                dv.transpose(1, 2) if need[2] else None, None, None, None, None, None, None,
+                None)
+
 
 def nala_attention_triton(q, k, v, power=3., eps=1e-6, sin=None, cos=None, out_dtype=None,
                           block_n=64, block_m=64):
@@ -164,39 +547,11 @@ def nala_attention_triton(q, k, v, power=3., eps=1e-6, sin=None, cos=None, out_d
                              f'{tuple(cos.shape)}')
         if d % 2:
             raise ValueError(f'{fn}: the RoPE rotates channel pairs; head dim {d} is odd')
-    B, h, N, n, d = check_qkv(fn, q, k, v)
-    dev = q.device
+    check_qkv(fn, q, k, v, meta=True)
     if has_rope:
-        sin, cos = sin.to(dev), cos.to(dev)
+        sin, cos = sin.to(q.device), cos.to(q.device)
         if cos.stride() != sin.stride():
             sin, cos = sin.contiguous(), cos.contiguous()
-    else:
-        sin = cos = q  # not read
-    DP = max(16, triton.next_power_of_2(d))
-    splits = _num_splits(n, B * h, block_n, dev)
-    chunk = triton.cdiv(triton.cdiv(n, splits), block_n) * block_n
-    splits = triton.cdiv(n, chunk)
-    acc = torch.empty(B * h, splits, 4, DP, DP, device=dev, dtype=torch.float32)
-    ks = torch.empty(B * h, splits, 2, DP, device=dev, dtype=torch.float32)
-    lam = float(power)
-    rs = cos.stride() if has_rope else (0, 0)
-    _nala_keys_kernel[(B * h, splits)](
-        k, v, sin, cos, acc, ks, n, h, chunk, lam, *k.stride(), *v.stride(), *rs,
-        D=d, DP=DP, BLOCK_N=block_n, HAS_ROPE=has_rope, CUBE=lam == 3.0,
-        # four (DP x DP) float32 accumulators with the RoPE: spread them over more threads for
-        # NaLaFormer's d = 64 (a register-pressure choice, not yet timed on a GPU)
-        num_warps=8 if has_rope and DP >= 64 else 4)
-    acc = acc.sum(1).mul_(1.0 / n)  # (B*h, 4, DP, DP)
-    km = ks.sum(1).mul_(1.0 / n).contiguous()  # key feature means (B*h, 2, DP)
-    if has_rope:
-        # M = sum_j R(phi_j) v_j^T / n per sign half; the queries meet [M+, M-, -rot(M+), -rot(M-)]
-        # (rows pair up within each half: d is even and the padding rows are zero)
-        mat = acc[:, :2] + _rot_rows(acc[:, 2:])
-        w = torch.cat([mat, -_rot_rows(mat)], dim=1).contiguous()
-    else:
-        w = acc
-    out = torch.empty(B, N, h, d, device=dev, dtype=out_dtype or v.dtype)
-    _nala_queries_kernel[(B * h, triton.cdiv(N, block_m))](
-        q, w, km, sin, cos, out, N, h, lam, float(eps), *q.stride(), *out.stride(), *rs,
-        D=d, DP=DP, BLOCK_M=block_m, HAS_ROPE=has_rope)
-    return out.transpose(1, 2)
+    return NormAwareAttentionTriton.apply(q, k, v, float(power), float(eps),
+                                          sin if has_rope else None, cos if has_rope else None,
+                                          out_dtype, block_n, block_m)
