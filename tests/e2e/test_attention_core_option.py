@@ -47,7 +47,8 @@ def test_refusals_name_the_reason():
     net = _backbone('nalaformer/mask-rcnn_nalaformer-t_fpn_1x_coco.py', 'xt')
     paper = next(m for m in net.modules() if isinstance(m, NormAwareLinearAttention))
     paper.kernel = 'paper'
-    with pytest.raises(ValueError, match=r"layers\.0\.blocks\.0\.attn \(kernel='paper'.*has no Triton core"):
+    with pytest.raises(ValueError,
+                       match=r"layers\.0\.blocks\.0\.attn \(kernel='paper'.*has no Triton core"):
         set_attention_core(net, 'triton')
     assert all(m.core == 'fast' for m in net.modules()
                if isinstance(m, NormAwareLinearAttention)), 'nothing set when refused'

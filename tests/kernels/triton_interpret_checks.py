@@ -87,18 +87,26 @@ def randomise_pola_(m, seed):
                 prm.copy_(0.5 * torch.randn(prm.shape, generator=g))
 
 
-def run_modules(res):
-    cases = [('module qkvg', dict(qkv_layout='qkvg'), 0, (11, 13)),
-             ('module qg_kv la_sr 2', dict(la_sr_ratio=2), 0, (12, 9)),
-             ('module static gate, class token', dict(qkv_layout='qkvg', gate='static'), 1,
-              (7, 7)),
-             ('module polarity only', dict(gate='none', use_dwc=False), 0, (9, 10))]
-    for i, (name, kw, e, hw) in enumerate(cases):
+#: (name, options, class tokens, grid) of the Pola module checks
+POLA_MODULE_CASES = [('qkvg', dict(qkv_layout='qkvg'), 0, (11, 13)),
+                     ('qg_kv la_sr 2', dict(la_sr_ratio=2), 0, (12, 9)),
+                     ('static gate, class token', dict(qkv_layout='qkvg', gate='static'), 1,
+                      (7, 7)),
+                     ('polarity only', dict(gate='none', use_dwc=False), 0, (9, 10))]
+
+
+def pola_modules(train):
+    """(name, seeded module with non-trivial parameters, input, grid) per Pola module case."""
+    for i, (name, kw, e, hw) in enumerate(POLA_MODULE_CASES):
         torch.manual_seed(i)
-        m = PolaLinearAttention(32, 4, pretrain_hw=(8, 8), num_extra_tokens=e, **kw).eval()
+        m = PolaLinearAttention(32, 4, pretrain_hw=(8, 8), num_extra_tokens=e, **kw)
         randomise_pola_(m, i)
-        x = torch.randn(2, e + hw[0] * hw[1], 32)
-        res[name] = triton_vs_reference(m, PolaLinearAttention, x, hw)
+        yield name, m.train(train), torch.randn(2, e + hw[0] * hw[1], 32), hw
+
+
+def run_modules(res):
+    for name, m, x, hw in pola_modules(train=False):
+        res[f'module {name}'] = triton_vs_reference(m, PolaLinearAttention, x, hw)
     # a whole Pola-Swin backbone (global Pola in stages 1-2), every mixer on the Triton core
     torch.manual_seed(0)
     net = LinAttnSwin(arch=dict(embed_dims=32, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8]),
@@ -185,17 +193,8 @@ def train_vs_reference(net, mixer_cls, *inputs, core='triton'):
 
 def run_module_grads(res):
     """Training steps of Pola modules and of a Pola-Swin backbone on the Triton core."""
-    cases = [('train module qkvg', dict(qkv_layout='qkvg'), 0, (11, 13)),
-             ('train module qg_kv la_sr 2', dict(la_sr_ratio=2), 0, (12, 9)),
-             ('train module static gate, class token', dict(qkv_layout='qkvg', gate='static'), 1,
-              (7, 7)),
-             ('train module polarity only', dict(gate='none', use_dwc=False), 0, (9, 10))]
-    for i, (name, kw, e, hw) in enumerate(cases):
-        torch.manual_seed(i)
-        m = PolaLinearAttention(32, 4, pretrain_hw=(8, 8), num_extra_tokens=e, **kw).train()
-        randomise_pola_(m, i)
-        res[name] = train_vs_reference(m, PolaLinearAttention,
-                                       torch.randn(2, e + hw[0] * hw[1], 32), hw)
+    for name, m, x, hw in pola_modules(train=True):
+        res[f'train module {name}'] = train_vs_reference(m, PolaLinearAttention, x, hw)
     torch.manual_seed(0)
     net = LinAttnSwin(arch=dict(embed_dims=32, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8]),
                       attn_cfg=[dict(type='PolaLinearAttention', qkv_layout='qkvg')] * 2 + [

@@ -45,9 +45,9 @@ kernels on CPU tensors.
 from typing import Optional, Tuple
 
 import torch
-from torch.utils.flop_counter import register_flop_formula
 
-from ..pola.triton import _padded, _partials, _split, check_qkv, triton
+from ..pola.triton import (_LIB, _padded, _partials, _split, check_qkv, register_dot_flops,
+                          triton)
 from .fast import _rot_rows
 
 __all__ = ['nala_attention_triton', 'NormAwareAttentionTriton']
@@ -55,7 +55,7 @@ __all__ = ['nala_attention_triton', 'NormAwareAttentionTriton']
 if triton is not None:
     import triton.language as tl
 
-    from ..pola.triton import _load_tile
+    from ..pola.triton import _load_tile, _program
 
     @triton.jit
     def _key_power(y, lam, CUBE: tl.constexpr):
@@ -70,12 +70,7 @@ if triton is not None:
                           s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd, s_rn, s_rd,
                           D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
                           HAS_ROPE: tl.constexpr, CUBE: tl.constexpr):
-        bh = tl.program_id(0)
-        split = tl.program_id(1)
-        b = bh // h
-        head = bh % h
-        rd = tl.arange(0, DP)
-        dmask = rd < D
+        bh, split, b, head, rd, dmask = _program(h, D, DP)
         acc_pc = tl.zeros((DP, DP), dtype=tl.float32)  # (k+ [* cos])^T v
         acc_nc = tl.zeros((DP, DP), dtype=tl.float32)  # (k- [* cos])^T v
         acc_ps = tl.zeros((DP, DP), dtype=tl.float32)  # (k+ * sin)^T v (RoPE only)
@@ -170,12 +165,7 @@ if triton is not None:
                                 s_db, s_dh, s_dn, s_dd, s_rn, s_rd,
                                 D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
                                 HAS_ROPE: tl.constexpr):
-        bh = tl.program_id(0)
-        split = tl.program_id(1)
-        b = bh // h
-        head = bh % h
-        rd = tl.arange(0, DP)
-        dmask = rd < D
+        bh, split, b, head, rd, dmask = _program(h, D, DP)
         w = W + bh * 4 * DP * DP + rd[:, None] * DP + rd[None, :]
         w0 = tl.load(w)
         w1 = tl.load(w + DP * DP)
@@ -260,12 +250,7 @@ if triton is not None:
                               D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
                               HAS_ROPE: tl.constexpr, CUBE: tl.constexpr,
                               WANT_DK: tl.constexpr, WANT_DV: tl.constexpr):
-        bh = tl.program_id(0)
-        split = tl.program_id(1)
-        b = bh // h
-        head = bh % h
-        rd = tl.arange(0, DP)
-        dmask = rd < D
+        bh, split, b, head, rd, dmask = _program(h, D, DP)
         c = C + bh * 4 * DP * DP + rd[:, None] * DP + rd[None, :]
         c_pos = tl.load(c)  # gradients of the key-side sums (the 1 / n included)
         c_neg = tl.load(c + DP * DP)
@@ -323,7 +308,6 @@ if triton is not None:
 # The four launches as operators (``torch.ops.linattn_mm.nala_triton_*``, as Pola's): one
 # operation each, with fake forms for ``meta`` tensors.
 # ------------------------------------------------------------------------------------------------
-_LIB = 'linattn_mm::'
 
 
 def _keys_outputs(k, block_n):
@@ -450,18 +434,8 @@ def _(k, v, sin, cos, c, dks, lam, want_dk, want_dv, block_n):
     return _key_grad_outputs(k, want_dk, want_dv, v.dtype)
 
 
-def _dot_flops(factor):
-    """FLOP formula of a launch whose products are ``factor`` (tokens × DP) by (DP × DP) products
-    per token (with the RoPE; elementwise work not counted)."""
-    def formula(x_shape, *args, **kwargs):  # tensors come as their shapes
-        B, h, L, d = x_shape
-        return 2 * factor * B * h * L * _padded(d) ** 2
-    return formula
-
-
-for _op, _factor in (('nala_triton_keys', 4), ('nala_triton_queries', 4),
-                     ('nala_triton_query_grads', 12), ('nala_triton_key_grads', 8)):
-    register_flop_formula(getattr(torch.ops.linattn_mm, _op))(_dot_flops(_factor))
+register_dot_flops({'nala_triton_keys': 4, 'nala_triton_queries': 4,  # with the RoPE
+                    'nala_triton_query_grads': 12, 'nala_triton_key_grads': 8})
 
 
 class NormAwareAttentionTriton(torch.autograd.Function):

@@ -62,6 +62,14 @@ _LN2 = math.log(2.)
 if triton is not None:
 
     @triton.jit
+    def _program(h, D: tl.constexpr, DP: tl.constexpr):
+        """This program's (batch·head, chunk) indices, its batch item and head, the channel range
+        (padded to DP) and its mask (the channels below D)."""
+        bh = tl.program_id(0)
+        rd = tl.arange(0, DP)
+        return bh, tl.program_id(1), bh // h, bh % h, rd, rd < D
+
+    @triton.jit
     def _load_tile(ptr, b, head, rows, rd, s_b, s_h, s_n, s_d, mask):
         """Tile ``[rows, rd]`` of batch item ``b``, head ``head`` of a (B, h, L, d) tensor with
         strides ``s_*``, as float32 (zero outside ``mask``)."""
@@ -80,12 +88,7 @@ if triton is not None:
                           s_pb, s_ph, s_pn, s_pd,
                           D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
                           HAS_PE: tl.constexpr, HAS_SCALE: tl.constexpr):
-        bh = tl.program_id(0)
-        split = tl.program_id(1)
-        b = bh // h
-        head = bh % h
-        rd = tl.arange(0, DP)
-        dmask = rd < D
+        bh, split, b, head, rd, dmask = _program(h, D, DP)
         p = tl.load(P + head * D + rd, mask=dmask, other=1.0)
         if HAS_SCALE:
             inv_s = tl.load(S + head * D + rd, mask=dmask, other=1.0)
@@ -169,12 +172,7 @@ if triton is not None:
                                 s_db, s_dh, s_dn, s_dd,
                                 D: tl.constexpr, D_SAME: tl.constexpr, DP: tl.constexpr,
                                 BLOCK_M: tl.constexpr, HAS_SCALE: tl.constexpr):
-        bh = tl.program_id(0)
-        split = tl.program_id(1)
-        b = bh // h
-        head = bh % h
-        rd = tl.arange(0, DP)
-        dmask = rd < D
+        bh, split, b, head, rd, dmask = _program(h, D, DP)
         same = (rd < D_SAME)[None, :]
         p = tl.load(P + head * D + rd, mask=dmask, other=1.0)
         if HAS_SCALE:
@@ -243,12 +241,7 @@ if triton is not None:
                               D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
                               HAS_PE: tl.constexpr, HAS_SCALE: tl.constexpr, WANT_DK: tl.constexpr,
                               WANT_DV: tl.constexpr):
-        bh = tl.program_id(0)
-        split = tl.program_id(1)
-        b = bh // h
-        head = bh % h
-        rd = tl.arange(0, DP)
-        dmask = rd < D
+        bh, split, b, head, rd, dmask = _program(h, D, DP)
         p = tl.load(P + head * D + rd, mask=dmask, other=1.0)
         if HAS_SCALE:
             inv_s = tl.load(S + head * D + rd, mask=dmask, other=1.0)
@@ -479,18 +472,22 @@ def _(k, v, pe, p, inv_s, dkv, dm, want_dk, want_dv, dk_dtype, block_n):
     return _key_grad_outputs(k, want_dk, want_dv, dk_dtype, v.dtype, block_n)[0]
 
 
-def _dot_flops(factor):
-    """FLOP formula of a launch whose matrix products are ``factor`` (tokens × DP) by (DP × DP)
-    products per token (the elementwise work not counted, as for any operation)."""
-    def formula(x_shape, *args, **kwargs):  # tensors come as their shapes
-        B, h, L, d = x_shape
-        return 2 * factor * B * h * L * _padded(d) ** 2
-    return formula
+def register_dot_flops(factors):
+    """FLOP formulas of launches (operator name -> ``factor``) whose matrix products are
+    ``factor`` (tokens × DP) by (DP × DP) products per token of their first tensor (B, h, L, d);
+    the elementwise work is not counted, as for any operation."""
+    def formula_of(factor):
+        def formula(x_shape, *args, **kwargs):  # tensors come as their shapes
+            B, h, L, d = x_shape
+            return 2 * factor * B * h * L * _padded(d) ** 2
+        return formula
+
+    for name, factor in factors.items():
+        register_flop_formula(getattr(torch.ops.linattn_mm, name))(formula_of(factor))
 
 
-for _op, _factor in (('pola_triton_keys', 2), ('pola_triton_queries', 2),
-                     ('pola_triton_query_grads', 6), ('pola_triton_key_grads', 4)):
-    register_flop_formula(getattr(torch.ops.linattn_mm, _op))(_dot_flops(_factor))
+register_dot_flops({'pola_triton_keys': 2, 'pola_triton_queries': 2,
+                    'pola_triton_query_grads': 6, 'pola_triton_key_grads': 4})
 
 
 class PolarityAttentionTriton(torch.autograd.Function):
