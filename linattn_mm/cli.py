@@ -118,16 +118,21 @@ def set_attention_core(model, core):
     """Put every Pola mixer (``PolaLinearAttention``) and NaLa mixer (``NormAwareLinearAttention``)
     of a built ``model`` on the core ``core`` (:data:`linattn_mm.ops.dispatch.CORES`; ``'triton'``:
     the Triton kernels, forward and backward, CUDA) and return how many there are. A
-    ``ValueError`` when the model has none, for an unknown core name, or for a NaLa mixer whose
-    feature map has no Triton core (the paper's kernel, a constant query power), naming it."""
+    ``ValueError`` when the model has none, for an unknown core name, for ``'triton'`` where the
+    model is not on a CUDA device (or Triton is missing), or for a NaLa mixer whose feature map has
+    no Triton core (the paper's kernel, a constant query power), naming it."""
     from linattn_mm.models.attentions.nala import NormAwareLinearAttention
     from linattn_mm.models.attentions.pola import PolaLinearAttention
-    from linattn_mm.ops.dispatch import check_core
+    from linattn_mm.ops.dispatch import check_core, triton_available
     check_core('--attn-core', core)
     mixers = [(name, m) for name, m in model.named_modules()
               if isinstance(m, (PolaLinearAttention, NormAwareLinearAttention))]
     if not mixers:
         raise ValueError(f'--attn-core {core}: the model has no Pola or NaLa mixer')
+    device = next(model.parameters()).device
+    if core == 'triton' and not triton_available(device):
+        raise ValueError(f'--attn-core triton: the model is on {device}; the Triton kernels run '
+                         f'on CUDA (with Triton installed)')
     for name, m in mixers:
         if core == 'triton' and isinstance(m, NormAwareLinearAttention) and (
                 m.kernel != 'official' or m.query_power is not None):

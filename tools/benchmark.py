@@ -244,6 +244,8 @@ def set_impl(model, impl, ffn='auto', device=None, train=False):
             if dev.type not in ('cuda', 'meta'):
                 raise ValueError('--impls triton trains on --device cuda (or counts on meta)')
             deploy.revert(model)
+            for m in pola_modules(model):  # an earlier 'official' variant's bound forward
+                m.__dict__.pop('forward', None)
             for m in model.modules():
                 if isinstance(m, PolaLinearAttention):
                     m.core = 'triton'

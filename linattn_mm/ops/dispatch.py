@@ -5,8 +5,8 @@ Every linear family exposes its kernels behind one signature and a ``core`` name
 ``'fast'``, ``'triton'``) that a mixer fixes at construction and :func:`linattn_mm.deploy.convert`
 may change once for inference; nothing here looks at a call's device or gradient to choose. The
 Triton kernels are CUDA kernels (Triton's interpreter runs them on CPU tensors under
-``TRITON_INTERPRET=1``): Pola's forward and backward, NaLa's forward only; Triton is imported on
-first use only.
+``TRITON_INTERPRET=1``): forward and backward of Pola's and of NaLa's (official kernel); Triton
+is imported on first use only.
 """
 import os
 import warnings

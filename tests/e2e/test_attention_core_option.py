@@ -23,7 +23,14 @@ def _backbone(rel, arch=TINY):
     return MODELS.build(dict(cfg.model.backbone, init_cfg=None, arch=arch))
 
 
-def test_pola_swin_mixers_and_not_its_windows():
+@pytest.fixture
+def triton_here(monkeypatch):
+    """Triton's interpreter on: the Triton cores accept CPU tensors."""
+    pytest.importorskip('triton')
+    monkeypatch.setenv('TRITON_INTERPRET', '1')
+
+
+def test_pola_swin_mixers_and_not_its_windows(triton_here):
     net = _backbone('polaformer/mask-rcnn_pola-swin-t_fpn_1x_coco.py')
     assert set_attention_core(net, 'triton') == 2  # global Pola stages 1-2
     pola = [m for m in net.modules() if isinstance(m, PolaLinearAttention)]
@@ -32,14 +39,18 @@ def test_pola_swin_mixers_and_not_its_windows():
     assert set_attention_core(net, 'fast') == 2 and all(m.core == 'fast' for m in pola)
 
 
-def test_nalaformer_released_layout_nala_stages():
+def test_nalaformer_released_layout_nala_stages(triton_here):
     net = _backbone('nalaformer/mask-rcnn_nalaformer-t_fpn_1x_coco.py', 'xt')
     nala = [m for m in net.modules() if isinstance(m, NormAwareLinearAttention)]
     assert len(nala) == 4  # NaLa stages 1-2 (depths 2, 2); softmax stages 3-4
     assert set_attention_core(net, 'triton') == 4 and all(m.core == 'triton' for m in nala)
 
 
-def test_refusals_name_the_reason():
+def test_refusals_name_the_reason(monkeypatch):
+    monkeypatch.delenv('TRITON_INTERPRET', raising=False)
+    with pytest.raises(ValueError, match='the model is on cpu; the Triton kernels run on CUDA'):
+        set_attention_core(_backbone('polaformer/mask-rcnn_pola-swin-t_fpn_1x_coco.py'), 'triton')
+    monkeypatch.setenv('TRITON_INTERPRET', '1')
     with pytest.raises(ValueError, match='has no Pola or NaLa mixer'):
         set_attention_core(_backbone('swin/mask-rcnn_swin-t_fpn_1x_coco.py'), 'triton')
     with pytest.raises(ValueError, match='core must be one of'):

@@ -5,6 +5,7 @@ import json
 import runpy
 
 import pytest
+import torch
 
 TOOL = runpy.run_path('tools/benchmark.py', run_name='linattn_benchmark')
 
@@ -185,3 +186,23 @@ def test_train_mode_times_compiled_backbones(tmp_path):
                  ['--mode', 'train', 'swin-t', '--compile', '--count-ops']):
         with pytest.raises(SystemExit, match='--compile times compiled training steps'):
             TOOL['main'](argv)
+
+
+def test_training_impls_switch_cores_and_forwards_cleanly():
+    # --mode train alternates the implementations on one model: 'official' binds its own Pola
+    # forward, and the 'triton' training form that follows must drop it (else it would time the
+    # official forward) and put the Pola and NaLa mixers on the Triton core; CPU is refused
+    from linattn_mm.models.attentions.nala import NormAwareLinearAttention
+    from linattn_mm.models.attentions.pola import PolaLinearAttention
+    pytest.importorskip('triton')
+    model = torch.nn.Sequential(PolaLinearAttention(16, 2, pretrain_hw=(4, 4)),
+                                NormAwareLinearAttention(16, 2))
+    TOOL['set_impl'](model, 'official', train=True)
+    assert 'forward' in model[0].__dict__
+    with pytest.raises(ValueError, match='trains on --device cuda'):
+        TOOL['set_impl'](model, 'triton', train=True)
+    TOOL['set_impl'](model.to('meta'), 'triton', train=True)
+    assert 'forward' not in model[0].__dict__
+    assert model[0].core == 'triton' and model[1].core == 'triton'
+    TOOL['set_impl'](model, 'fast', train=True)
+    assert model[0].core == 'fast' and model[1].core == 'fast'

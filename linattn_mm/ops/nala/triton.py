@@ -467,6 +467,7 @@ class NormAwareAttentionTriton(torch.autograd.Function):
         return out.transpose(1, 2)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         q, k, v, sin, cos, w, km = ctx.saved_tensors
         lam, eps, block_n, block_m, DP = ctx.args

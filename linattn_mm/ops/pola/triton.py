@@ -523,6 +523,7 @@ class PolarityAttentionTriton(torch.autograd.Function):
         return out.transpose(1, 2)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         q, k, v, k_bias, pf, inv_s, w, ks = ctx.saved_tensors
         need = ctx.needs_input_grad
