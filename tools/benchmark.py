@@ -88,7 +88,10 @@ reports the bytes the core must move at least (read q, k, v and the position enc
 the output once) divided by the time: the achieved memory bandwidth. On CUDA this is also given as
 a fraction of the device's peak (``--peak-bw`` in GB/s, or known for H100 / H200).
 ``--attn nala`` times the NaLa core instead (official kernel, ``lam = 3``, with the 2-D RoPE;
-``--impls`` among ``triton``, ``torch``, ``reference``).
+``--impls`` among ``triton``, ``torch``, ``reference``). ``--backward`` times a training step of
+the core (its forward and its backward with a fixed output gradient; every input needs a
+gradient); the least traffic then adds q, k, v and the output's gradient read and dq, dk, dv
+written once (Pola: the position encoding read twice and its gradient written once).
 """
 import argparse
 import contextlib
@@ -550,6 +553,8 @@ def parse_args(argv=None):
                    help='CPU: serve large tensors from the heap instead of fresh mmaps (glibc; '
                    'linattn_mm.utils.use_heap_allocator)')
     p.add_argument('--peak-bw', type=float, help='--mode core: device peak bandwidth, GB/s')
+    p.add_argument('--backward', action='store_true',
+                   help='--mode core: time the forward and the backward of the core')
     p.add_argument('--count-ops', action='store_true',
                    help='also count the ATen operations (views excluded) of one more step of '
                         'each target; with --device meta always, next to the peak of live '
@@ -935,6 +940,25 @@ def device_peak_bw(device, given=None):
     return next((bw for key, bw in PEAK_BW if key in name), None)
 
 
+def _core_step(fn, leaves, seed):
+    """A training step of a core call ``fn``: its forward and its backward with a fixed random
+    output gradient (the inputs' gradients cleared first). Returns the output."""
+    grad = []
+
+    def run():
+        for t in leaves:
+            t.grad = None
+        with no_autocast(leaves[0].device):
+            out = fn()
+        if not grad:
+            g = torch.Generator().manual_seed(seed + 1)
+            grad.append(torch.randn(out.shape, generator=g).to(out.device, out.dtype))
+        out.backward(grad[0])
+        return out.detach()
+    run.train = True
+    return run
+
+
 def run_core(args, device):
     """``--mode core``: the attention core alone, with its achieved memory bandwidth."""
     dtype = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}[args.dtype]
@@ -953,25 +977,37 @@ def run_core(args, device):
         q, k, v = (torch.randn(B, h, N, d, generator=g).to(device, dtype) for _ in range(3))
         p = (1 + 4 * torch.rand(1, h, 1, d, generator=g)).to(device)
         inv_s = (1 / (0.5 + torch.rand(1, h, 1, d, generator=g))).to(device)
+        # least traffic: q, k, v read and the output written once (input dtype); with
+        # --backward also q, k, v and the output's gradient read and dq, dk, dv written once
+        passes = 11 if args.backward else 4
         if args.attn == 'nala':
             sin, cos = (t.to(device) for t in RoPE2d(d)((H, W)))
-            # least traffic: q, k, v read and the output written once, sin/cos once per batch item
-            nbytes = 4 * B * h * N * d * q.element_size() + B * 2 * sin.numel() * 4
-            variants = [(impl, lambda: None, nala_core_function(impl, q, k, v, sin, cos))
-                        for impl in impls]
+            # sin/cos read once per batch item and pass over the keys or queries
+            nbytes = passes * B * h * N * d * q.element_size() + \
+                B * 2 * sin.numel() * 4 * (2 if args.backward else 1)
+            leaves = (q, k, v)
+            fns = [nala_core_function(impl, q, k, v, sin, cos) for impl in impls]
         else:
             pe = (0.1 * torch.randn(1, h, N, d, generator=g)).to(device)
-            # least traffic: q, k, v read and the output written once (input dtype), the float32
-            # position encoding read once per batch item
-            nbytes = 4 * B * h * N * d * q.element_size() + B * pe.numel() * pe.element_size()
-            variants = [(impl, lambda: None, core_function(impl, q, k, v, p, inv_s, pe))
-                        for impl in impls]
+            # the float32 position encoding read once per batch item and pass over the keys (with
+            # --backward: and its gradient written once)
+            nbytes = passes * B * h * N * d * q.element_size() + \
+                B * pe.numel() * pe.element_size() * (2 if args.backward else 1) + \
+                (pe.numel() * pe.element_size() if args.backward else 0)
+            leaves = (q, k, v, p, inv_s, pe)
+            fns = [core_function(impl, q, k, v, p, inv_s, pe) for impl in impls]
+        if args.backward:
+            for t in leaves:
+                t.requires_grad_()
+            fns = [_core_step(fn, leaves, args.seed) for fn in fns]
+        variants = [(impl, lambda: None, fn) for impl, fn in zip(impls, fns)]
         meas = measure_interleaved(variants, device, args.warmup, args.repeats, None)
         first = meas[impls[0]][2]
         for impl in impls:
             med, times, out, peak, how, _ = meas[impl]
             gbs = nbytes / med / 1e9
-            r = dict(target=f'{args.attn}-core-h{h}-d{d}', impl=impl, size=[H, W], pixels=N,
+            r = dict(target=f'{args.attn}-core-h{h}-d{d}' + ('-train' if args.backward else ''),
+                     impl=impl, size=[H, W], pixels=N,
                      batch=B,
                      dtype=args.dtype, latency_ms=med * 1e3, times_ms=[t * 1e3 for t in times],
                      tokens_per_s=B * N / med, peak_mem_mb=peak / 2**20, peak_mem_method=how,

@@ -206,3 +206,17 @@ def test_training_impls_switch_cores_and_forwards_cleanly():
     assert model[0].core == 'triton' and model[1].core == 'triton'
     TOOL['set_impl'](model, 'fast', train=True)
     assert model[0].core == 'fast' and model[1].core == 'fast'
+
+
+def test_core_mode_backward_times_training_steps():
+    # --backward: forward and backward of each core, the same output for both, and the least
+    # traffic of a training step (11 passes over (B, h, N, d) in the input dtype, the float32
+    # position encoding read twice per batch item and its gradient written once)
+    B, h, N, d = 2, 2, 64, 8
+    res = TOOL['main'](['--mode', 'core', '--grid', '8x8', '--batch', str(B), '--heads', str(h),
+                        '--head-dims', str(d), '--impls', 'torch', 'reference', '--warmup', '0',
+                        '--repeats', '1', '--backward'])
+    assert [r['target'] for r in res] == ['pola-core-h2-d8-train'] * 2
+    pe = h * N * d * 4
+    assert all(r['min_bytes'] == 11 * B * h * N * d * 4 + 2 * B * pe + pe for r in res)
+    assert res[1]['max_abs_diff_vs_first_impl'] < 1e-5 * max(1.0, res[1]['max_abs_output'])
