@@ -56,27 +56,42 @@ def core_cases():
             ('fp16 d16', 1, 2, 50, 50, 16, True, True, torch.float16)]
 
 
+def _pola_inputs(case, seed):
+    """Leaf tensors q, k, v, p, s, bias (bias None without position encoding) of a core case."""
+    name, B, h, N, n, d, pe, sc, dt = case
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, N, h * 4 * d, generator=g)[..., ::4]  # strided, like an unbind view
+    q = q.reshape(B, N, h, d).transpose(1, 2)
+    k, v = (torch.randn(B, h, n, d, generator=g) for _ in range(2))
+    p = 1 + 4 * torch.rand(1, h, 1, d, generator=g)
+    s = 0.5 + torch.rand(1, h, 1, d, generator=g)
+    bias = 0.3 * torch.randn(1, h, n, d, generator=g) if pe else None
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    bias = bias.to(dt) if pe else None
+    grad = torch.randn(B, h, N, d, generator=g)
+    return [q, k, v, p, s, bias], grad
+
+
+def _pola_reference(q, k, v, p, s, bias, scale):
+    """The float64 reference core (the official order of operations) on float64 inputs: the
+    position encoding ``bias`` (or None) added to k, then q and k divided by ``s`` if ``scale``."""
+    if bias is not None:
+        k = k + bias
+    if scale:
+        q, k = q / s, k / s
+    return polarity_attention(q, k, v, p, 1e-6)
+
+
 def run_core(res):
-    for name, B, h, N, n, d, pe, sc, dt in core_cases():
-        g = torch.Generator().manual_seed(len(res))
-        q = torch.randn(B, N, h * 4 * d, generator=g)[..., ::4]  # strided, like an unbind view
-        q = q.reshape(B, N, h, d).transpose(1, 2)
-        k, v = (torch.randn(B, h, n, d, generator=g) for _ in range(2))
-        p = 1 + 4 * torch.rand(1, h, 1, d, generator=g)
-        s = 0.5 + torch.rand(1, h, 1, d, generator=g)
-        bias = 0.3 * torch.randn(1, h, n, d, generator=g) if pe else None
-        q, k, v = q.to(dt), k.to(dt), v.to(dt)
-        bias = bias.to(dt) if pe else None
+    for case in core_cases():
+        name, B, h, N, _, d, _, sc, _ = case
+        (q, k, v, p, s, bias), _ = _pola_inputs(case, len(res))
         out = polarity_attention_triton(q, k, v, p, 1e-6, temperature=s if sc else None,
                                         k_bias=bias, out_dtype=torch.float32)
         assert out.shape == (B, h, N, d) and out.transpose(1, 2).is_contiguous()
-        # reference: the official order of operations in float64 on the same (rounded) inputs
-        qq, kk, vv = q.double(), k.double(), v.double()
-        if pe:
-            kk = kk + bias.double()
-        if sc:
-            qq, kk = qq / s.double(), kk / s.double()
-        res[name] = rel(out, polarity_attention(qq, kk, vv, p.double(), 1e-6))
+        # reference: in float64 on the same (rounded) inputs
+        res[name] = rel(out, _pola_reference(*(None if t is None else t.double()
+                                               for t in (q, k, v, p, s, bias)), sc))
 
 
 def randomise_pola_(m, seed):
@@ -117,28 +132,12 @@ def run_modules(res):
                                                     torch.randn(1, 3, 64, 96))
 
 
-def _pola_inputs(case, seed):
-    """Leaf tensors q, k, v, p, s, bias (bias None without position encoding) of a core case."""
-    name, B, h, N, n, d, pe, sc, dt = case
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, N, h * 4 * d, generator=g)[..., ::4]  # strided, like an unbind view
-    q = q.reshape(B, N, h, d).transpose(1, 2)
-    k, v = (torch.randn(B, h, n, d, generator=g) for _ in range(2))
-    p = 1 + 4 * torch.rand(1, h, 1, d, generator=g)
-    s = 0.5 + torch.rand(1, h, 1, d, generator=g)
-    bias = 0.3 * torch.randn(1, h, n, d, generator=g) if pe else None
-    q, k, v = q.to(dt), k.to(dt), v.to(dt)
-    bias = bias.to(dt) if pe else None
-    grad = torch.randn(B, h, N, d, generator=g)
-    return [q, k, v, p, s, bias], grad
-
-
 def run_core_grads(res):
     """The Triton forward and backward of the core against plain autograd of the float64
     reference on the same (rounded) inputs: the output and the gradient of every input (q, k, v
     and the position encoding in their dtype, p and the temperature in float32)."""
     for i, case in enumerate(core_cases()):
-        name, pe, sc = case[0], case[6], case[7]
+        name, sc = case[0], case[7]
         leaves, grad = _pola_inputs(case, 100 + i)
         leaves = [t.requires_grad_() if t is not None else None for t in leaves]
         q, k, v, p, s, bias = leaves
@@ -148,10 +147,7 @@ def run_core_grads(res):
         idx = [j for j, t in enumerate(leaves) if t is not None and (sc or j != 4)]
         got = torch.autograd.grad(out, [leaves[j] for j in idx], grad)
         ref = [t.detach().double().requires_grad_() if t is not None else None for t in leaves]
-        qq, kk, vv, pp, ss, bb = ref
-        kk2 = kk + bb if pe else kk
-        qq2, kk2 = (qq / ss, kk2 / ss) if sc else (qq, kk2)
-        want_out = polarity_attention(qq2, kk2, vv, pp, 1e-6)
+        want_out = _pola_reference(*ref, sc)
         want = torch.autograd.grad(want_out, [ref[j] for j in idx], grad.double())
         res[f'grad {name}: out'] = rel(out, want_out)
         for j, a, b in zip(idx, got, want):

@@ -66,6 +66,21 @@ if triton is not None:
         return tl.where(y < 0, -a, a)
 
     @triton.jit
+    def _key_features(y, lam, CUBE: tl.constexpr):
+        """``c = y^lam`` (sign kept) and its sign split ``relu(c)``, ``relu(-c)`` (exactly)."""
+        c = _key_power(y, lam, CUBE)
+        kp = tl.maximum(c, 0.0)
+        return c, kp, kp - c
+
+    @triton.jit
+    def _rope_tile(SIN, COS, rows, rd, s_rn, s_rd, mask):
+        """The RoPE tables' (cos, sin) for the tile ``[rows, rd]``, float32 (zero outside
+        ``mask``)."""
+        r = rows[:, None] * s_rn + rd[None, :] * s_rd
+        return (tl.load(COS + r, mask=mask, other=0.0).to(tl.float32),
+                tl.load(SIN + r, mask=mask, other=0.0).to(tl.float32))
+
+    @triton.jit
     def _nala_keys_kernel(K, V, SIN, COS, ACC, KS, n, h, chunk, lam,
                           s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd, s_rn, s_rd,
                           D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -82,16 +97,12 @@ if triton is not None:
             rn = start + off + tl.arange(0, BLOCK_N)
             m = (rn < n)[:, None] & dmask[None, :]
             y = _load_tile(K, b, head, rn, rd, s_kb, s_kh, s_kn, s_kd, m)
-            c = _key_power(y, lam, CUBE)
-            kp = tl.maximum(c, 0.0)
-            kn = kp - c  # relu(-c), exactly
+            _, kp, kn = _key_features(y, lam, CUBE)
             v = _load_tile(V, b, head, rn, rd, s_vb, s_vh, s_vn, s_vd, m)
             sum_pos += tl.sum(kp, axis=0)
             sum_neg += tl.sum(kn, axis=0)
             if HAS_ROPE:
-                r = rn[:, None] * s_rn + rd[None, :] * s_rd
-                cs = tl.load(COS + r, mask=m, other=0.0).to(tl.float32)
-                sn = tl.load(SIN + r, mask=m, other=0.0).to(tl.float32)
+                cs, sn = _rope_tile(SIN, COS, rn, rd, s_rn, s_rd, m)
                 acc_pc += tl.dot(tl.trans(kp * cs), v, input_precision='ieee')
                 acc_nc += tl.dot(tl.trans(kn * cs), v, input_precision='ieee')
                 acc_ps += tl.dot(tl.trans(kp * sn), v, input_precision='ieee')
@@ -135,9 +146,7 @@ if triton is not None:
         den = tl.sum(pos * km_pos[None, :] + neg * km_neg[None, :], axis=1) + eps
         w = W + bh * 4 * DP * DP + rd[:, None] * DP + rd[None, :]
         if HAS_ROPE:
-            r = rm[:, None] * s_rn + rd[None, :] * s_rd
-            cs = tl.load(COS + r, mask=m, other=0.0).to(tl.float32)
-            sn = tl.load(SIN + r, mask=m, other=0.0).to(tl.float32)
+            cs, sn = _rope_tile(SIN, COS, rm, rd, s_rn, s_rd, m)
             num = tl.dot(pos * cs, tl.load(w), input_precision='ieee')
             num += tl.dot(neg * cs, tl.load(w + DP * DP), input_precision='ieee')
             num += tl.dot(pos * sn, tl.load(w + 2 * DP * DP), input_precision='ieee')
@@ -190,9 +199,7 @@ if triton is not None:
             neg = tl.where(y < 0, a, 0.0)
             den = tl.sum(pos * km_pos[None, :] + neg * km_neg[None, :], axis=1) + eps
             if HAS_ROPE:
-                r = rm[:, None] * s_rn + rd[None, :] * s_rd
-                cs = tl.load(COS + r, mask=m, other=0.0).to(tl.float32)
-                sn = tl.load(SIN + r, mask=m, other=0.0).to(tl.float32)
+                cs, sn = _rope_tile(SIN, COS, rm, rd, s_rn, s_rd, m)
                 pc, nc, ps, ns = pos * cs, neg * cs, pos * sn, neg * sn
                 num = tl.dot(pc, w0, input_precision='ieee')
                 num += tl.dot(nc, w1, input_precision='ieee')
@@ -264,14 +271,10 @@ if triton is not None:
             rn = start + off + tl.arange(0, BLOCK_N)
             m = (rn < n)[:, None] & dmask[None, :]
             y = _load_tile(K, b, head, rn, rd, s_kb, s_kh, s_kn, s_kd, m)
-            kc = _key_power(y, lam, CUBE)
-            kp = tl.maximum(kc, 0.0)
-            kn = kp - kc
+            kc, kp, kn = _key_features(y, lam, CUBE)
             v = _load_tile(V, b, head, rn, rd, s_vb, s_vh, s_vn, s_vd, m)
             if HAS_ROPE:
-                r = rn[:, None] * s_rn + rd[None, :] * s_rd
-                cs = tl.load(COS + r, mask=m, other=0.0).to(tl.float32)
-                sn = tl.load(SIN + r, mask=m, other=0.0).to(tl.float32)
+                cs, sn = _rope_tile(SIN, COS, rn, rd, s_rn, s_rd, m)
                 if WANT_DV:
                     dv = tl.dot(kp * cs, c_pos, input_precision='ieee')
                     dv += tl.dot(kn * cs, c_neg, input_precision='ieee')
@@ -522,8 +525,7 @@ def nala_attention_triton(q, k, v, power=3., eps=1e-6, sin=None, cos=None, out_d
                              f'{tuple(cos.shape)}')
         if d % 2:
             raise ValueError(f'{fn}: the RoPE rotates channel pairs; head dim {d} is odd')
-    check_qkv(fn, q, k, v, meta=True)
-    if has_rope:
+    if has_rope:  # q, k, v are checked by the Function
         sin, cos = sin.to(q.device), cos.to(q.device)
         if cos.stride() != sin.stride():
             sin, cos = sin.contiguous(), cos.contiguous()

@@ -594,7 +594,7 @@ def polarity_attention_triton(q, k, v, p, eps=1e-6, temperature=None, k_bias=Non
     Returns:
         Tensor: (B, h, N, d), a view of a (B, N, h, d) buffer.
     """
-    check_qkv('polarity_attention_triton', q, k, v, meta=True)
+    # q, k, v are checked by the Function
     inv_scale = None if temperature is None else temperature.reciprocal()
     return PolarityAttentionTriton.apply(q, k, v, p, eps, inv_scale, k_bias, out_dtype, block_n,
                                          block_m)
