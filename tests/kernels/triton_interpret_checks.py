@@ -119,15 +119,22 @@ def pola_modules(train):
         yield name, m.train(train), torch.randn(2, e + hw[0] * hw[1], 32), hw
 
 
+def pola_swin(**kwargs):
+    """A small seeded Pola-Swin backbone (global Pola in stages 1-2, window-7 stages 3-4) with
+    non-trivial Pola parameters; ``kwargs`` go to the backbone."""
+    torch.manual_seed(0)
+    net = LinAttnSwin(arch=dict(embed_dims=32, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8]),
+                      attn_cfg=[dict(type='PolaLinearAttention', qkv_layout='qkvg')] * 2 + [
+                          dict(type='WindowSoftmaxAttention', window_size=7)] * 2, **kwargs)
+    randomise_pola_(net, 7)
+    return net
+
+
 def run_modules(res):
     for name, m, x, hw in pola_modules(train=False):
         res[f'module {name}'] = triton_vs_reference(m, PolaLinearAttention, x, hw)
     # a whole Pola-Swin backbone (global Pola in stages 1-2), every mixer on the Triton core
-    torch.manual_seed(0)
-    net = LinAttnSwin(arch=dict(embed_dims=32, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8]),
-                      attn_cfg=[dict(type='PolaLinearAttention', qkv_layout='qkvg')] * 2 + [
-                          dict(type='WindowSoftmaxAttention', window_size=7)] * 2).eval()
-    randomise_pola_(net, 7)
+    net = pola_swin().eval()
     res['Pola-Swin backbone'] = triton_vs_reference(net, PolaLinearAttention,
                                                     torch.randn(1, 3, 64, 96))
 
@@ -191,12 +198,7 @@ def run_module_grads(res):
     """Training steps of Pola modules and of a Pola-Swin backbone on the Triton core."""
     for name, m, x, hw in pola_modules(train=True):
         res[f'train module {name}'] = train_vs_reference(m, PolaLinearAttention, x, hw)
-    torch.manual_seed(0)
-    net = LinAttnSwin(arch=dict(embed_dims=32, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8]),
-                      attn_cfg=[dict(type='PolaLinearAttention', qkv_layout='qkvg')] * 2 + [
-                          dict(type='WindowSoftmaxAttention', window_size=7)] * 2,
-                      with_cp=True, drop_path_rate=0.).train()
-    randomise_pola_(net, 7)
+    net = pola_swin(with_cp=True, drop_path_rate=0.).train()
     res['train Pola-Swin backbone, with_cp'] = train_vs_reference(
         net, PolaLinearAttention, torch.randn(2, 3, 64, 96))
 
