@@ -63,7 +63,7 @@ reference`` runs plain autograd of the reference forms). The peak memory is that
 step: everything autograd keeps for the backward, the gradients and the backward's temporaries
 (the weights, the input and the gradients' previous values not counted).
 
-``--device meta`` (with ``--mode train``, float32) runs the training steps on ``meta`` tensors:
+``--device meta`` (with ``--mode train``) runs the training steps on ``meta`` tensors:
 shapes only, nothing computed, on a machine without a GPU. The models take the paths they take
 on a GPU (one chunk, the sums over the tokens in parts), and the tool reports the operations of
 a step (``--count-ops``, :class:`linattn_mm.utils.OperationCounter`) and its peak of live tensor
@@ -71,10 +71,13 @@ storage (:class:`~linattn_mm.utils.PeakMemoryCounter` counting meta tensors: wha
 keeps alive, without the caching allocator's rounding), no time; also the bytes the step's
 operations move and their FLOPs (:class:`~linattn_mm.utils.TrafficCounter`), and with
 ``--roofline GPU`` a lower bound of the step's time on that GPU (each operation at least its bytes
-over the memory bandwidth and its FLOPs over the peak rate). ``F.scaled_dot_product_attention``
-runs there as the fused memory-efficient kernel a GPU runs in float32
-(``aten._scaled_dot_product_efficient_attention``, whose shapes torch knows on meta): its
-decomposition would count the (N, N) attention matrices of the global softmax stages.
+over the memory bandwidth and its FLOPs over the peak rate). ``--dtype bf16`` / ``fp16`` run the
+forward there under CUDA's autocast (:func:`linattn_mm.utils.meta_autocast`: the same casts, the
+same dtypes, the weights' casts made once per step). ``F.scaled_dot_product_attention`` runs
+there as the fused kernel a GPU runs (``aten._scaled_dot_product_efficient_attention`` in float32
+or with a mask, ``aten._scaled_dot_product_flash_attention`` in half precision without one; torch
+knows their shapes on meta): its decomposition would count the (N, N) attention matrices of the
+global softmax stages.
 
 ``--compile [BACKEND]`` (``--mode train``, backbones) compiles each backbone with
 ``torch.compile`` (``inductor`` by default) and times its compiled training steps; the warm-up
@@ -114,8 +117,9 @@ from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d
 from linattn_mm.models.attentions.pola import PolaLinearAttention
 from linattn_mm.models.utils.layers import TransformerBlock
 from linattn_mm.models.backbones.nalaformer import NaLaBlock
-from linattn_mm.ops.common import no_autocast
-from linattn_mm.utils import PeakMemoryCounter, TrafficCounter, use_heap_allocator
+from linattn_mm.ops.common import autocast_on, no_autocast
+from linattn_mm.utils import PeakMemoryCounter, TrafficCounter, meta_autocast, use_heap_allocator
+from linattn_mm.utils.autocast_meta import autocast_args
 from linattn_mm.utils.progress import emit, progress_bar
 
 POLA_PVT = dict(type='PolaLinearAttention', qkv_layout='qg_kv', alpha=4, kernel_size=5,
@@ -395,13 +399,22 @@ def _runner(fn, device, autocast_dtype):
     return run
 
 
+def _train_autocast(device, autocast_dtype):
+    """The autocast of a training step's forward: none (``autocast_dtype`` None), CUDA's on
+    ``meta`` tensors, or ``torch.autocast`` of the device."""
+    if autocast_dtype is None:
+        return no_autocast(device)
+    if device.type == 'meta':
+        return meta_autocast(autocast_dtype)
+    return torch.autocast(device.type, dtype=autocast_dtype)
+
+
 def _train_runner(fn, device, autocast_dtype, model=None):
     """A training step: ``fn`` runs the forward and returns the loss, which is backpropagated.
     ``model``'s gradients are cleared before the memory run (``run.clear``), so that the previous
     step's gradients are not counted in the base of a CUDA peak."""
     def run():
-        with (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
-              else no_autocast(device)):
+        with _train_autocast(device, autocast_dtype):
             loss = fn()
         loss.backward()
         return loss.detach()
@@ -588,10 +601,13 @@ def _randomise_pola(model, seed):
 
 @contextlib.contextmanager
 def fused_attention_on_meta():
-    """``F.scaled_dot_product_attention`` of ``meta`` tensors as the fused memory-efficient kernel
-    (``aten._scaled_dot_product_efficient_attention``, the one a GPU runs in float32; torch knows
-    its shapes on meta, and its backward), where torch would run the decomposition on meta (the
-    (N, N) attention matrix and its softmax: operations and memory a GPU does not spend); other
+    """``F.scaled_dot_product_attention`` of ``meta`` tensors as the fused kernel a GPU runs
+    (torch knows its shapes on meta, and its backward), where torch would run the decomposition on
+    meta (the (N, N) attention matrix and its softmax: operations and memory a GPU does not
+    spend): the memory-efficient kernel (``aten._scaled_dot_product_efficient_attention``) in
+    float32 or with a mask; under :func:`~linattn_mm.utils.meta_autocast` the inputs cast to its
+    dtype, as autocast does, and without a mask the flash kernel
+    (``aten._scaled_dot_product_flash_attention``, head dims of multiples of 8 up to 256). Other
     devices as before."""
     sdpa = F.scaled_dot_product_attention
 
@@ -601,6 +617,12 @@ def fused_attention_on_meta():
             return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        if autocast_on(query.device):
+            query, key, value, attn_mask = autocast_args(query, key, value, attn_mask)
+            d = query.shape[-1]
+            if attn_mask is None and d % 8 == 0 and d <= 256 and key.shape[-1] == d:
+                return torch.ops.aten._scaled_dot_product_flash_attention(
+                    query, key, value, dropout_p, is_causal, scale=scale)[0]
         if attn_mask is not None:  # as torch's sdpa does for this kernel: a mask whose strides
             # are not multiples of 8 elements is copied into a padded one (``preprocess_mask``)
             if attn_mask.stride(-1) != 1 or any(st % 8 for st in attn_mask.stride()[:-1]):
@@ -632,9 +654,9 @@ def _main(args):
         torch.set_num_threads(args.threads)
     heap = use_heap_allocator() if args.heap_malloc else None
     device = torch.device(args.device)
-    if device.type == 'meta' and (args.mode != 'train' or args.dtype != 'fp32'):
-        raise SystemExit('--device meta counts the operations of float32 training steps only '
-                         '(--mode train, --dtype fp32: meta tensors have no autocast)')
+    if device.type == 'meta' and args.mode != 'train':
+        raise SystemExit('--device meta counts the operations of training steps only '
+                         '(--mode train)')
     if args.compile and (args.mode != 'train' or args.part == 'model' or device.type == 'meta'
                          or args.warmup < 1 or args.count_ops):
         raise SystemExit('--compile times compiled training steps of backbones (--mode train, '

@@ -5,6 +5,8 @@ import functools
 import numpy as np
 import torch
 
+from linattn_mm.utils.autocast_meta import meta_autocast_enabled, meta_autocast_off
+
 __all__ = ['grad_needed', 'promote_types', 'into', 'sign_split', 'sign_split_dot', 'linear_into',
            'chunked_layer_setup', 'MIN_CHUNK_ROWS',
            'numpy_log2_', 'NUMPY_LOG2_MAX_THREADS', 'core_dtype', 'no_autocast', 'autocast_on',
@@ -45,13 +47,20 @@ def core_dtype(*tensors):
 
 
 def autocast_on(device):
-    """Whether autocast is on for ``device`` (False on a device without autocast, ``meta``)."""
+    """Whether autocast is on for ``device``: on ``meta``, whether a
+    :func:`~linattn_mm.utils.meta_autocast` region (CUDA's autocast emulated) is;
+    False on other devices without autocast."""
+    if device.type == 'meta':
+        return meta_autocast_enabled()
     return torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
 
 
 def no_autocast(device):
-    """A context with autocast off on ``device`` (the cores run in their own dtype); nothing to
-    turn off on a device without autocast (``meta``: shapes and operation counts only)."""
+    """A context with autocast off on ``device`` (the cores run in their own dtype); on ``meta``
+    a :func:`~linattn_mm.utils.meta_autocast` region switched off; nothing to turn
+    off on other devices without autocast."""
+    if device.type == 'meta':
+        return meta_autocast_off()
     if not torch.amp.is_autocast_available(device.type):
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, enabled=False)

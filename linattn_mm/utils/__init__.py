@@ -1,6 +1,8 @@
 """Utilities shared by tests and benchmarks (no model code)."""
 from .malloc import use_heap_allocator
 from .memory import PeakMemoryCounter
+from .autocast_meta import meta_autocast
 from .op_counter import OperationCounter, TrafficCounter
 
-__all__ = ['OperationCounter', 'PeakMemoryCounter', 'TrafficCounter', 'use_heap_allocator']
+__all__ = ['OperationCounter', 'PeakMemoryCounter', 'TrafficCounter', 'meta_autocast',
+           'use_heap_allocator']

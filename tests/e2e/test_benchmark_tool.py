@@ -139,8 +139,27 @@ def test_train_mode_counts_operations_on_cpu_and_meta(tmp_path, capsys):
     mem = rows['pola-swin-t']['peak_mem_mb'] / rows['swin-t']['peak_mem_mb']
     assert f'operations {got["pola-swin-t"] / got["swin-t"]:.2f}x' in text
     assert f'memory {mem:.2f}x' in text
-    with pytest.raises(SystemExit, match='float32 training steps only'):
-        TOOL['main'](['--mode', 'train', 'swin-t', '--device', 'meta', '--dtype', 'bf16'])
+    with pytest.raises(SystemExit, match='training steps only'):
+        TOOL['main'](['--mode', 'backbone', 'swin-t', '--device', 'meta'])
+
+
+def test_train_mode_on_meta_under_cudas_autocast(tmp_path):
+    """``--device meta --dtype bf16``: the step's forward under CUDA's autocast
+    (:func:`linattn_mm.utils.meta_autocast`): the products in bfloat16, fewer bytes than the
+    float32 step (the layer norms and softmaxes stay in float32), more operations (the casts),
+    less kept for backward."""
+    rows = {}
+    for dt in ('fp32', 'bf16'):
+        js = tmp_path / f'{dt}.json'
+        TOOL['main'](['--mode', 'train', 'swin-t', '--sizes', '256x384', '--device', 'meta',
+                      '--dtype', dt, '--warmup', '0', '--repeats', '1', '--json', str(js),
+                      '--roofline', 'h200'])
+        rows[dt] = load(js)['results'][0]
+    fp32, bf16 = rows['fp32'], rows['bf16']
+    assert bf16['operations'] > fp32['operations']
+    assert 0.5 < bf16['bytes_moved'] / fp32['bytes_moved'] < 0.85
+    assert bf16['peak_mem_mb'] < 0.9 * fp32['peak_mem_mb']
+    assert bf16['flops'] == fp32['flops']  # the same products, in another dtype
 
 
 def test_fused_attention_on_meta_runs_the_fused_kernel_and_restores_sdpa():
@@ -162,6 +181,20 @@ def test_fused_attention_on_meta_runs_the_fused_kernel_and_restores_sdpa():
     assert ops.by_name['_scaled_dot_product_efficient_attention_backward'] == 1
     assert 'bmm' not in ops.by_name and '_softmax' not in ops.by_name
     assert mem.peak_bytes < 4096 * 4096 * 4  # one head's attention matrix would be 64 MiB
+    # under CUDA's autocast on meta: the inputs cast to bfloat16 (as autocast casts those of
+    # scaled_dot_product_attention), the flash kernel without a mask, the memory-efficient one
+    # with a mask (Swin's windows)
+    from linattn_mm.utils import meta_autocast
+    mask = torch.zeros(4096, 4096, device='meta')
+    for attn_mask, kernel in ((None, '_scaled_dot_product_flash_attention'),
+                              (mask, '_scaled_dot_product_efficient_attention')):
+        with TOOL['fused_attention_on_meta'](), OperationCounter() as ops:
+            with meta_autocast(torch.bfloat16):
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+            assert out.dtype == torch.bfloat16
+            out.float().sum().backward()
+        assert ops.by_name[kernel] == 1 and ops.by_name[kernel + '_backward'] == 1
+        assert ops.by_name['_to_copy'] >= 3 and 'bmm' not in ops.by_name
 
 
 def test_train_mode_times_compiled_backbones(tmp_path):

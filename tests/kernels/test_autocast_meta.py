@@ -1,0 +1,170 @@
+"""``linattn_mm.utils.autocast_meta``: CUDA's autocast for meta tensors.
+
+Two oracles from torch itself: the operations that have an ``AutocastCUDA`` kernel in the
+dispatcher, and CUDA's own autocast kernels run on fake CUDA tensors (a ``FakeTensorMode`` on a
+machine without a GPU runs the forward of CUDA's dispatch, autocast included; only the backward
+needs a device)."""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from linattn_mm.ops.common import autocast_on, no_autocast
+from linattn_mm.utils import OperationCounter
+from linattn_mm.utils import autocast_meta as ma
+
+pytestmark = pytest.mark.filterwarnings('ignore::UserWarning')
+
+
+def test_the_lists_are_the_dispatchers_autocast_cuda_kernels():
+    registered = {n[len('aten::'):] for n in torch._C._dispatch_get_all_op_names()
+                  if n.startswith('aten::')
+                  and torch._C._dispatch_has_kernel_for_dispatch_key(n, 'AutocastCUDA')}
+    ours = (set(ma.LOWER_PRECISION) | set(ma.FP32) | set(ma.FP32_SET_OPT_DTYPE)
+            | set(ma.FP32_APPEND_DTYPE) | set(ma.PROMOTE))
+    # binary_cross_entropy's CUDA kernel raises ("unsafe to autocast"): not a cast policy
+    assert registered - {'binary_cross_entropy'} == ours
+    lists = [ma.LOWER_PRECISION, ma.FP32, ma.FP32_SET_OPT_DTYPE, list(ma.FP32_APPEND_DTYPE),
+             ma.PROMOTE]
+    assert sum(len(x) for x in lists) == len(ours)  # no operation in two lists
+
+
+def _zoo(x, y, w, cw, cb, dw, ln_w, ln_b, gn_w, gn_b):
+    """Operations of every policy and common ones of none (elementwise, means, cat), on
+    float32 ``x`` (N, C), ``y`` (B, 3, H, W) and weights ``w`` (C, C), conv ``cw``, ``cb``,
+    depth-wise ``dw``, norms; the outputs of each in order."""
+    outs = []
+    a = F.linear(x, w)                       # lower precision, a weight
+    outs += [a, F.linear(a, w)]              # the weight's cast again (cached)
+    outs += [a @ a.t(), torch.bmm(a[None], a.t()[None]), torch.einsum('nc,mc->nm', a, x)]
+    outs += [torch.baddbmm(x[None, :, :4], a[None], w[None, :, :4])]
+    c = F.conv2d(y, cw, cb, padding=1)
+    outs += [c, F.conv2d(c, dw, padding=1, groups=dw.shape[0]),
+             F.layer_norm(a, (a.shape[-1],), ln_w, ln_b), F.group_norm(c, 2, gn_w, gn_b)]
+    outs += [a.exp(), a.log(), a ** 2, a.pow(x[:, :1]), a.rsqrt(), a.reciprocal()]
+    outs += [a.sum(), a.sum(-1), a.mean(-1), a.softmax(-1), F.log_softmax(a, -1), a.cumsum(0)]
+    outs += [a.sum(-1, dtype=torch.float16), a.norm(), a.norm(dim=-1),
+             torch.linalg.vector_norm(a, dim=-1)]
+    outs += [torch.addcmul(x, a, x), torch.cat([a, x]), a + x, a * 2, F.gelu(a), F.silu(a),
+             a.sigmoid(), a.tanh(), F.interpolate(c, scale_factor=2, mode='bilinear')]
+    outs += [F.scaled_dot_product_attention(a[None, None], x[None, None], x[None, None])]
+    return outs
+
+
+def _zoo_args():
+    g = torch.Generator().manual_seed(0)
+    shapes = [(12, 16), (2, 3, 6, 6), (16, 16), (8, 3, 3, 3), (8,), (8, 1, 3, 3), (16,), (16,),
+              (8,), (8,)]
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
+class _Sequence(OperationCounter):
+    """The operations run, in order, each with its output's dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.seq = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.seq.append((func.overloadpacket.__name__, getattr(out, 'dtype', None)))
+        return out
+
+
+def _run(device, dtype):
+    """Output dtypes and operations of the zoo under CUDA's autocast: on fake CUDA tensors
+    (``device='cuda'``, CUDA's own kernels) or on meta tensors in a :func:`meta_autocast`."""
+    args = _zoo_args()
+    with _Sequence() as ops:
+        if device == 'meta':
+            args = [t.to('meta') for t in args]
+            args[2].requires_grad_()
+            with ma.meta_autocast(dtype):
+                outs = _zoo(*args)
+        else:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+            with FakeTensorMode() as fake:
+                args = [fake.from_tensor(t).to('cuda') for t in args]
+                args[2].requires_grad_()
+                torch.set_autocast_enabled('cuda', True)
+                torch.set_autocast_dtype('cuda', dtype)
+                torch.autocast_increment_nesting()
+                try:
+                    outs = _zoo(*args)
+                finally:
+                    torch.set_autocast_enabled('cuda', False)
+                    if torch.autocast_decrement_nesting() == 0:
+                        torch.clear_autocast_cache()
+    return [o.dtype for o in outs], ops.seq
+
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+def test_dtypes_and_casts_equal_cudas_autocast_kernels(dtype):
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        try:
+            want, want_ops = _run('cuda', dtype)
+        except (RuntimeError, AssertionError) as e:  # a torch without CUDA's dispatch
+            pytest.skip(f'fake CUDA tensors unavailable: {e}')
+    got, got_ops = _run('meta', dtype)
+    assert got == want
+    assert dtype in got and torch.float32 in got
+    # the same operations in the same order, each with the dtype of its output: the weight cast
+    # once (cached), the inputs of each lower-precision / float32 operation once per use, half
+    # softmax read as it is (fake CUDA tensors also ask for their device: not an operation)
+    assert [op for op in got_ops if op[0] != 'device'] == [
+        op for op in want_ops if op[0] != 'device']
+    assert sum(op[0] == '_to_copy' for op in got_ops) > 10
+
+
+def test_training_step_equals_cpu_autocast_where_the_policies_agree():
+    """The backward too: products of linear layers (lower precision on CPU and CUDA alike) under
+    CPU's own autocast and under the meta region record the same casts and run the same
+    operations both ways; the gradients come back in float32, each weight cast once forward."""
+    def step(x, lin, autocast):
+        with OperationCounter() as ops:
+            with autocast:
+                h = lin(lin(x))  # the weight and bias used twice
+            assert h.dtype == torch.bfloat16
+            grads = torch.autograd.grad(h.float().square().sum(), (x, lin.weight, lin.bias))
+        assert all(g.dtype == torch.float32 for g in grads)
+        return ops.by_name
+
+    lin = torch.nn.Linear(16, 16)
+    x = torch.randn(8, 16, requires_grad=True)
+    want = step(x, lin, torch.autocast('cpu', dtype=torch.bfloat16))
+    lin_meta = lin.to('meta')
+    got = step(torch.empty(8, 16, device='meta', requires_grad=True), lin_meta,
+               ma.meta_autocast(torch.bfloat16))
+    assert got == want
+    # forward: x, the weight and the bias once each, h.float(); backward: the gradient of h
+    # back to bfloat16, those of x, the weight and the bias to float32
+    assert got['_to_copy'] == 4 + 4
+
+
+def test_the_plugins_autocast_checks_see_the_region():
+    dev = torch.device('meta')
+    assert not autocast_on(dev)
+    with ma.meta_autocast(torch.float16):
+        assert autocast_on(dev) and ma.meta_autocast_dtype() == torch.float16
+        with no_autocast(dev):
+            assert not autocast_on(dev)
+            a = torch.empty(4, 4, device='meta')
+            assert (a @ a).dtype == torch.float32
+        assert autocast_on(dev)
+    assert not autocast_on(dev) and ma.meta_autocast_dtype() is None
+    a = torch.empty(4, 4, device='meta')
+    assert (a @ a).dtype == torch.float32  # nothing left installed
+
+
+def test_cpu_tensors_and_bad_use():
+    a = torch.randn(4, 4)
+    with ma.meta_autocast():
+        assert (a @ a).dtype == torch.float32  # CPU tensors: torch.autocast('cpu') is theirs
+        with pytest.raises(RuntimeError, match='already active'):
+            with ma.meta_autocast():
+                pass
+    with pytest.raises(ValueError, match='torch.bfloat16 or torch.float16'):
+        with ma.meta_autocast(torch.float32):
+            pass
