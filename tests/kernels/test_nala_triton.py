@@ -81,6 +81,12 @@ def test_interpreted_backward_equals_the_reference(interpreted_grads):
         assert err < tol, f'{name}: relative error {err:.3g}'
 
 
+def test_interpreted_core_reads_the_half_precision_twin_of_v(interpreted_grads):
+    # v_keep (the projection under autocast, v its float32 copy): read and kept instead of v,
+    # the same output and gradients to the bit, v's gradient in float32
+    assert interpreted_grads['v_keep: largest difference to reading v (out, dq, dk, dv)'] == 0
+
+
 def test_interpreted_training_steps_equal_the_reference(interpreted_grads):
     # modules (with and without RoPE, lam 2) within 1e-5 of the float64 reference cores: the
     # output, the input's and every parameter's gradient; a whole NaLaFormer (NaLa in every

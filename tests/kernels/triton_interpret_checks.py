@@ -270,6 +270,26 @@ def run_nala_grads(res):
         for nm, a, b, leaf in zip('qkv', got, want, leaves):
             assert a.dtype == leaf.dtype and a.shape == leaf.shape, nm
             res[f'grad {name}: {nm}'] = rel(a, b)
+    # v_keep: the kernels read the half-precision projection v was cast from, and keep it; v
+    # still gets its gradient in float32: the same values as reading the float32 v
+    g = torch.Generator().manual_seed(300)
+    B, h, hw, d = 2, 2, (7, 9), 16
+    q, k = (torch.randn(B, h, hw[0] * hw[1], d, generator=g).requires_grad_() for _ in range(2))
+    v_low = torch.randn(B, h, hw[0] * hw[1], d, generator=g).bfloat16().requires_grad_()
+    grad = torch.randn(B, h, hw[0] * hw[1], d, generator=g)
+    sin, cos = RoPE2d(d)(hw)
+    runs = []
+    for keep in (False, True):
+        v = v_low.float()
+        out = nala_attention_triton(q, k, v, 3., 1e-6, sin, cos, out_dtype=torch.float32,
+                                    v_keep=v_low if keep else None)
+        kept = out.grad_fn.saved_tensors if keep else ()
+        runs.append([out, *torch.autograd.grad(out, (q, k, v), grad)])
+    assert any(t.dtype == torch.bfloat16 and t.data_ptr() == v_low.data_ptr() for t in kept), \
+        'v_keep is what the Function keeps'
+    assert runs[1][3].dtype == torch.float32
+    res['v_keep: largest difference to reading v (out, dq, dk, dv)'] = max(
+        (a - b).abs().max().item() for a, b in zip(*runs))
     for i, (name, kw, hw) in enumerate([('train nala module rope', {}, (11, 13)),
                                         ('train nala module no rope, lam 2',
                                          dict(use_rope=False, power=2.), (6, 9))]):

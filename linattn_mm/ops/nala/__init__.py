@@ -39,7 +39,8 @@ def nala_attention(q, k, v, power=3., eps=1e-6, sin=None, cos=None, kernel='offi
     Triton core reads the inputs as they are and computes in float32. The fast core takes q, k, v
     in their own dtype and casts them itself (under autocast it keeps the half-precision
     projections for backward, not float32 copies; ``v_keep``: a lower-precision twin of ``v`` to
-    keep instead, see :class:`~linattn_mm.ops.nala.autograd.NormAwareAttention`). The result has
+    keep instead, see :class:`~linattn_mm.ops.nala.autograd.NormAwareAttention`; the Triton core
+    reads it instead of ``v`` too). The result has
     the dtype ``out_dtype``, by default that of ``v``. ``query_power``: a constant query exponent
     instead of the norm-aware ``power * (0.5 + tanh ||q||)`` (the paper's Table 5 ablation; no
     Triton core)."""
@@ -51,7 +52,7 @@ def nala_attention(q, k, v, power=3., eps=1e-6, sin=None, cos=None, kernel='offi
     if core == 'triton':
         from .triton import nala_attention_triton
         return nala_attention_triton(q, k, v, power, eps, sin, cos,
-                                     out_dtype=out_dtype or v.dtype)
+                                     out_dtype=out_dtype or v.dtype, v_keep=v_keep)
     work = core_dtype(q, k, v)
     sin, cos = (None, None) if sin is None else (sin.to(work), cos.to(work))
     with no_autocast(q.device):

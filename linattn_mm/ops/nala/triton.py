@@ -48,6 +48,7 @@ import torch
 
 from ..pola.triton import (_LIB, _padded, _partials, _split, check_qkv, register_dot_flops,
                           triton)
+from ..common import kept_input
 from .fast import _rot_rows
 
 __all__ = ['nala_attention_triton', 'NormAwareAttentionTriton']
@@ -404,21 +405,22 @@ def _(q, grad, w, km, sin, cos, lam, eps, block_m):
     return _query_grad_outputs(q, block_m)[0]
 
 
-def _key_grad_outputs(k, want_dk, want_dv, v_dtype):
+def _key_grad_outputs(k, want_dk, want_dv, dv_dtype):
     B, h, n, d = k.shape
     return (k.new_empty((B, n, h, d) if want_dk else (0, )),
-            k.new_empty((B, n, h, d) if want_dv else (0, ), dtype=v_dtype))
+            k.new_empty((B, n, h, d) if want_dv else (0, ), dtype=dv_dtype))
 
 
 @torch.library.custom_op(_LIB + 'nala_triton_key_grads', mutates_args=())
 def _key_grads_op(k: torch.Tensor, v: torch.Tensor, sin: Optional[torch.Tensor],
                   cos: Optional[torch.Tensor], c: torch.Tensor, dks: torch.Tensor, lam: float,
-                  want_dk: bool, want_dv: bool,
-                  block_n: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Pass 4: dk and dv, (B, n, h, d) buffers (empty where not wanted), from the gradients of the
-    key-side sums ``c`` (B·h, 4, DP, DP) and of the key feature sums ``dks`` (B·h, 2, DP)."""
+                  want_dk: bool, want_dv: bool, block_n: int,
+                  dv_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Pass 4: dk (in k's dtype) and dv (in ``dv_dtype``), (B, n, h, d) buffers (empty where not
+    wanted), from the gradients of the key-side sums ``c`` (B·h, 4, DP, DP) and of the key
+    feature sums ``dks`` (B·h, 2, DP)."""
     B, h, n, d = k.shape
-    dk, dv = _key_grad_outputs(k, want_dk, want_dv, v.dtype)
+    dk, dv = _key_grad_outputs(k, want_dk, want_dv, dv_dtype)
     dk_t = dk.transpose(1, 2) if want_dk else k
     dv_t = dv.transpose(1, 2) if want_dv else v
     sin_t, cos_t, rs = _rope_args(sin, cos, k)
@@ -433,8 +435,8 @@ def _key_grads_op(k: torch.Tensor, v: torch.Tensor, sin: Optional[torch.Tensor],
 
 
 @_key_grads_op.register_fake
-def _(k, v, sin, cos, c, dks, lam, want_dk, want_dv, block_n):
-    return _key_grad_outputs(k, want_dk, want_dv, v.dtype)
+def _(k, v, sin, cos, c, dks, lam, want_dk, want_dv, block_n, dv_dtype):
+    return _key_grad_outputs(k, want_dk, want_dv, dv_dtype)
 
 
 register_dot_flops({'nala_triton_keys': 4, 'nala_triton_queries': 4,  # with the RoPE
@@ -445,15 +447,19 @@ class NormAwareAttentionTriton(torch.autograd.Function):
     """The Triton NaLa core (official kernel) with its Triton backward: passes 1-2 of the module
     docstring forward; the backward recomputes the features in registers in two more passes
     (3: queries: ``dq`` and the gradients of the four query-side matrices and of the key means;
-    4: keys: ``dk``, ``dv``). Keeps q, k, v as they came and the small per-head matrices; q, k, v
-    get their gradients in their own dtypes. Inputs: q, k, v (B, h, N, d), lam, eps, sin, cos
-    ((N, d) or None), out_dtype, block_n, block_m."""
+    4: keys: ``dk``, ``dv``). Keeps q, k, v as they came (v: ``v_keep``, see below) and the
+    small per-head matrices; q, k, v get their gradients in their own dtypes. Inputs: q, k, v
+    (B, h, N, d), lam, eps, sin, cos ((N, d) or None), out_dtype, block_n, block_m, v_keep (None,
+    or a lower-precision twin of v with ``v_keep.to(v.dtype) == v``, the projection v was cast
+    from: the kernels read it instead, the same values in fewer bytes, and it is what is kept)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, lam, eps, sin, cos, out_dtype, block_n, block_m):
-        B, h, N, n, d = check_qkv('nala_attention_triton', q, k, v, meta=True)
+    def forward(ctx, q, k, v, lam, eps, sin, cos, out_dtype, block_n, block_m, v_keep=None):
+        fn = 'nala_attention_triton'
+        v_in = kept_input(fn, v, v_keep)
+        B, h, N, n, d = check_qkv(fn, q, k, v_in, meta=True)
         DP = _padded(d)
-        acc, ks = torch.ops.linattn_mm.nala_triton_keys(k, v, sin, cos, lam, block_n)
+        acc, ks = torch.ops.linattn_mm.nala_triton_keys(k, v_in, sin, cos, lam, block_n)
         acc = acc.sum(1).mul_(1.0 / n)  # (B*h, 4, DP, DP)
         km = ks.sum(1).mul_(1.0 / n)  # key feature means (B*h, 2, DP)
         if sin is not None:
@@ -465,15 +471,15 @@ class NormAwareAttentionTriton(torch.autograd.Function):
             w = acc
         out = torch.ops.linattn_mm.nala_triton_queries(q, w, km, sin, cos, lam, eps, block_m,
                                                        out_dtype or v.dtype)
-        ctx.save_for_backward(q, k, v, sin, cos, w, km)
-        ctx.args = (lam, eps, block_n, block_m, DP)
+        ctx.save_for_backward(q, k, v_in, sin, cos, w, km)
+        ctx.args = (lam, eps, block_n, block_m, DP, v.dtype)
         return out.transpose(1, 2)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         q, k, v, sin, cos, w, km = ctx.saved_tensors
-        lam, eps, block_n, block_m, DP = ctx.args
+        lam, eps, block_n, block_m, DP, v_dtype = ctx.args
         need = ctx.needs_input_grad
         n = k.shape[2]
         dq, dw, dkm = torch.ops.linattn_mm.nala_triton_query_grads(q, grad, w, km, sin, cos, lam,
@@ -487,14 +493,14 @@ class NormAwareAttentionTriton(torch.autograd.Function):
         else:
             c = dw.mul_(1.0 / n)
         dk, dv = torch.ops.linattn_mm.nala_triton_key_grads(k, v, sin, cos, c, dkm, lam, need[1],
-                                                            need[2], block_n)
+                                                            need[2], block_n, v_dtype)
         return (dq.transpose(1, 2) if need[0] else None, dk.transpose(1, 2) if need[1] else None,
                 dv.transpose(1, 2) if need[2] else None, None, None, None, None, None, None,
-                None)
+                None, None)
 
 
 def nala_attention_triton(q, k, v, power=3., eps=1e-6, sin=None, cos=None, out_dtype=None,
-                          block_n=64, block_m=64):
+                          block_n=64, block_m=64, v_keep=None):
     """Norm-aware linear attention core (official kernel) with the Triton kernels (see the module
     docstring); same arguments and result as :func:`linattn_mm.ops.nala.fast.nala_attention_fast`.
 
@@ -507,6 +513,9 @@ def nala_attention_triton(q, k, v, power=3., eps=1e-6, sin=None, cos=None, out_d
         sin, cos (Tensor, optional): the 2-D RoPE (N, d), channel pairs sharing one angle (as
             :class:`~linattn_mm.models.attentions.nala.RoPE2d` makes them); None: no RoPE.
         out_dtype (torch.dtype, optional): output dtype; default ``v.dtype``.
+        v_keep (Tensor, optional): a lower-precision twin of ``v`` (``v_keep.to(v.dtype) == v``,
+            the projection v was cast from): read and kept instead of ``v``; ``v`` still gets
+            its gradient in its own dtype.
 
     Returns:
         Tensor: (B, h, N, d), a view of a (B, N, h, d) buffer.
@@ -531,4 +540,4 @@ def nala_attention_triton(q, k, v, power=3., eps=1e-6, sin=None, cos=None, out_d
             sin, cos = sin.contiguous(), cos.contiguous()
     return NormAwareAttentionTriton.apply(q, k, v, float(power), float(eps),
                                           sin if has_rope else None, cos if has_rope else None,
-                                          out_dtype, block_n, block_m)
+                                          out_dtype, block_n, block_m, v_keep)
