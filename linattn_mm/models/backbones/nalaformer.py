@@ -174,11 +174,11 @@ class NaLaBlock(nn.Module):
         if self.cpe1 is not None:
             x = x + self.cpe1(x)
         a = self._mix(x, rope)
-        x = self.drop_path.add(x, self.gamma_1 * a if self.layer_scale else a)
+        x = self.drop_path.add(x, a, self.gamma_1 if self.layer_scale else None)
         if self.cpe2 is not None:
             x = x + self.cpe2(x)
         f = self.ffn_branch(x)
-        return self.drop_path.add(x, self.gamma_2 * f if self.layer_scale else f)
+        return self.drop_path.add(x, f, self.gamma_2 if self.layer_scale else None)
 
 
 class NaLaStage(nn.Module):

@@ -90,9 +90,9 @@ class SeTBlock(nn.Module):
 
     def _forward(self, x, hw_shape):
         a = self.attn(self.norm1(x), hw_shape)
-        x = self.drop_path.add(x, self.gamma_1 * a if self.layer_scale else a)
+        x = self.drop_path.add(x, a, self.gamma_1 if self.layer_scale else None)
         f = self.mlp(self.norm2(x), hw_shape)
-        return self.drop_path.add(x, self.gamma_2 * f if self.layer_scale else f)
+        return self.drop_path.add(x, f, self.gamma_2 if self.layer_scale else None)
 
     def forward(self, x, hw_shape):
         if self.with_cp and x.requires_grad:

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as cp
 
 from linattn_mm.models.attentions.base import build_attention
+from linattn_mm.ops.common import promote_types
+from linattn_mm.ops.lean_layers import scaled_add
 from linattn_mm.ops.dispatch import check_core
 from linattn_mm.ops.ffn import ffn_branch
 # re-exported for the skeletons
@@ -48,17 +50,26 @@ class DropPath(nn.Module):
         """A per-sample Bernoulli(keep) mask (B, 1, ..., 1) for ``t``, in its dtype."""
         return t.new_empty((t.shape[0], ) + (1, ) * (t.dim() - 1)).bernoulli_(keep)
 
-    def add(self, x, branch):
-        """``x + self(branch)``, the residual sum of a dropped branch, as one operation over the
-        maps: the per-sample mask and its ``1 / keep`` go into one ``torch.addcmul`` (the mask
-        drawn as in :meth:`forward`, the same random numbers). Two operations and two full-size
-        passes fewer than the product and the sum; the same values up to the rounding of
-        ``1 / keep`` (for a half-precision branch added to a float32 ``x``, as under autocast, the
-        scale is no longer rounded to the branch's dtype first)."""
-        if self.drop_prob == 0. or not self.training:
-            return x + branch
+    def add(self, x, branch, scale=None):
+        """``x + self(branch)``, the residual sum of a dropped branch (with ``scale``, a layer
+        scale that broadcasts over the branch such as (1, C, 1, 1): ``x + self(scale * branch)``),
+        as one operation over the maps each way: the per-sample mask (drawn as in
+        :meth:`forward`, the same random numbers), its ``1 / keep`` and the scale make one small
+        factor ``f``, and :func:`~linattn_mm.ops.lean_layers.scaled_add` adds ``branch * f`` to
+        ``x`` in one pass, its backward writing the branch's gradient in one more (plain autograd
+        of the product and the sum makes two or three full-size maps each way, and under autocast
+        a float32 copy of a half-precision branch). The same values and dtype up to the rounding
+        of ``1 / keep`` (now in float32 at least) and the order of the products."""
+        dropped = self.drop_prob != 0. and self.training
+        if not dropped:
+            return x + branch if scale is None else scaled_add(x, branch, scale)
         keep = 1 - self.drop_prob
-        return torch.addcmul(x, branch, self._mask(branch, keep), value=1 / keep)
+        f = self._mask(branch, keep)  # 1 / keep in float32 at least, not in a half precision
+        f = f.to(promote_types(f.dtype, torch.float32)).div_(keep)
+        if scale is not None:
+            return scaled_add(x, branch, scale * f)
+        # the dtype of x + mask * branch (a float32 factor does not promote the sum)
+        return scaled_add(x, branch, f, promote_types(x.dtype, branch.dtype))
 
     def extra_repr(self):
         return f'drop_prob={self.drop_prob}'
