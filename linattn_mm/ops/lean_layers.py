@@ -490,8 +490,10 @@ class ScaledAdd(torch.autograd.Function):
     def backward(ctx, grad):
         b, f = ctx.saved_tensors
         need = ctx.needs_input_grad
-        db = torch.mul(grad, f, out=grad.new_empty(grad.shape, dtype=ctx.b_dtype)) \
-            if need[1] else None
+        db = None
+        if need[1]:  # in b's dtype: written so in one pass when the product has another
+            db = grad * f if promote_types(grad.dtype, f.dtype) == ctx.b_dtype else torch.mul(
+                grad, f, out=grad.new_empty(grad.shape, dtype=ctx.b_dtype))
         df = _sum_of_products(grad, b, f.shape) if need[2] else None
         return grad if need[0] else None, db, df, None
 
