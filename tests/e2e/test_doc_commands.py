@@ -257,6 +257,10 @@ TABLE = {
     '800x1344 --device meta --warmup 0 --repeats 1 --impls fast triton --compare swin-t '
     '--roofline h200':
         Run('benchmark_triton_nala_operations', 'as written (meta tensors: shapes only)'),
+    'python tools/benchmark.py --mode train swin-t pola-swin-t nalaformer-t pvt-t pola-pvt-t '
+    '--sizes 800x1344 --device meta --dtype bf16 --warmup 0 --repeats 1 --impls fast triton '
+    '--compare swin-t pola-pvt-t:pvt-t --roofline h200':
+        Run('benchmark_bf16_operations', 'as written (meta tensors under CUDA\'s autocast)'),
     'python tools/benchmark.py --mode train pola-swin-t swin-t nalaformer-t nalaformer-t-linear '
     'linattn-swin-t --sizes 800x1344 --batch 1 --threads 1 --warmup 1 --repeats 5 --compare swin-t '
     'pola-swin-t:linattn-swin-t':
@@ -770,19 +774,19 @@ def case_benchmark_operations(sh, tmp_path):
     out = sh(cmd, doc_argv(cmd))
     with open(osp.join(REPO, 'docs', 'benchmarks.md'), encoding='utf-8') as f:
         doc = f.read()
-    row = re.search(r'^\| \+ Swin windows through the fused attention kernel \(\*\*0\.6\.7\*\*, '
-                    r'the command above\) \| (\d+) \| \*\*(\d+) \(([\d.]+)×\)\*\* \| '
+    row = re.search(r'^\| \+ the residual sums of scaled branches in one pass each way '
+                    r'\(\*\*0\.6\.9\*\*, the command above\) \| (\d+) \| \*\*(\d+) \(([\d.]+)×\)\*\* \| '
                     r'\*\*(\d+) \(([\d.]+)×\)\*\* \| (\d+) \| \*\*(\d+) \(([\d.]+)×\)\*\* \|$',
                     doc, re.M)
-    assert row, 'the 0.6.7 row of the operations table'
+    assert row, 'the 0.6.9 row of the operations table'
     swin, pola, r_pola, nala, r_nala, pvt, pola_pvt, r_pvt = row.groups()
-    mem = re.search(r'^\| meta, 0\.6\.7, batch 1 \| ([\d.]+) MB \| ([\d.]+) MB \(([\d.]+)×\) \| '
+    mem = re.search(r'^\| meta, 0\.6\.9, batch 1 \| ([\d.]+) MB \| ([\d.]+) MB \(([\d.]+)×\) \| '
                     r'([\d.]+) MB \(([\d.]+)×\) \| ([\d.]+) MB \| ([\d.]+) MB \(([\d.]+)× PVT-T', doc,
                     re.M)
     assert mem, 'the batch-1 row of the memory table'
     cells = r' \| ([\d.]+)(?: ms)?(?: \(([\d.]+)×(?: PVT-T\'s)?\))?'
-    moved = re.search(r'^\| GB moved, batch 1, \*\*0\.6\.7\*\*' + cells * 5 + r' \|$', doc, re.M)
-    bound = re.search(r'^\| roofline H200, batch 1, \*\*0\.6\.7\*\*' + cells * 5 + r' \|$', doc,
+    moved = re.search(r'^\| GB moved, batch 1, \*\*0\.6\.9\*\*' + cells * 5 + r' \|$', doc, re.M)
+    bound = re.search(r'^\| roofline H200, batch 1, \*\*0\.6\.9\*\*' + cells * 5 + r' \|$', doc,
                       re.M)
     assert moved and bound, 'the batch-1 rows of the bytes table'
     names = ('swin-t', 'pola-swin-t', 'nalaformer-t', 'pvt-t', 'pola-pvt-t')
@@ -859,6 +863,20 @@ def case_benchmark_triton_nala_operations(sh, tmp_path):
         (('swin-t', '-'), ('nalaformer-t', 'fast'), ('nalaformer-t', 'triton'),
          ('nalaformer-t-linear', 'fast'), ('nalaformer-t-linear', 'triton')),
         {'nalaformer-t': 0, 'nalaformer-t-linear': 0})
+
+
+def case_benchmark_bf16_operations(sh, tmp_path):
+    """The same for the bf16 table ("Under autocast"): the steps counted under CUDA's autocast
+    on meta, the torch and Triton cores of the three linear backbones and the two stock ones."""
+    _check_triton_table(
+        sh, 'python tools/benchmark.py --mode train swin-t pola-swin-t nalaformer-t pvt-t '
+        'pola-pvt-t --sizes 800x1344 --device meta --dtype bf16 --warmup 0 --repeats 1 --impls '
+        'fast triton --compare swin-t pola-pvt-t:pvt-t --roofline h200',
+        '| bf16 training step, 800×1344 | Swin-T (stock) | Pola-Swin-T, torch core',
+        (('swin-t', '-'), ('pola-swin-t', 'fast'), ('pola-swin-t', 'triton'),
+         ('nalaformer-t', 'fast'), ('nalaformer-t', 'triton'), ('pvt-t', '-'),
+         ('pola-pvt-t', 'fast'), ('pola-pvt-t', 'triton')),
+        {'pola-swin-t': 0, 'nalaformer-t': 0, 'pola-pvt-t': 5})
 
 
 def case_benchmark_train_backbones(sh, tmp_path):
