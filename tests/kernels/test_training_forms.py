@@ -3,6 +3,7 @@ gradients of every input and parameter equal in float64 (1e-10 relative) and flo
 the attention cores (Pola; NaLa with both kernels), the FFN halves, the small lean layers and whole
 backbones (with gradient checkpointing, frozen stages, class tokens, ``la_sr_ratio``, odd sizes);
 and what the lean layers keep for backward."""
+import contextlib
 import copy
 from functools import partial
 
@@ -181,7 +182,13 @@ def test_ffn_branch(dtype, approximate, rows):
 
 @pytest.mark.parametrize('dtype', DTYPES)
 @pytest.mark.parametrize('bias', [True, False])
-def test_conv_ffn_branch(dtype, bias):
+@pytest.mark.parametrize('conv_out', ['as on CPU', 'channels-first'])
+def test_conv_ffn_branch(dtype, bias, conv_out, monkeypatch):
+    if conv_out == 'channels-first':  # the depth-wise conv's output as a GPU kernel and meta
+        # return it (CPU keeps the channels-last layout of its input): the sum with the
+        # activation is then written into a (B, H, W, R) buffer
+        conv2d = F.conv2d
+        monkeypatch.setattr(F, 'conv2d', lambda *a, **k: conv2d(*a, **k).contiguous())
     g = torch.Generator().manual_seed(1)
     ffn = _params_as_inputs(ConvFFN(8, 24), g, dtype)
     if not bias:
@@ -202,6 +209,21 @@ def test_conv_ffn_branch(dtype, bias):
     for n, p in list(ffn.named_parameters()) + [('ln.' + n, p) for n, p in
                                                 norm.named_parameters()]:
         assert rel(p.grad, want[n]) < TOL[dtype], n
+
+
+def test_conv_ffn_branch_copies_no_map_when_the_conv_is_channels_first():
+    """On ``meta`` (as with a GPU's own depth-wise kernel) the conv comes back channels-first: the
+    branch's step still copies none of its hidden-width maps (``fc2`` reads the sum as it is,
+    forward and backward)."""
+    from linattn_mm.utils import OperationCounter, meta_autocast
+    ffn, norm = ConvFFN(16, 64).to('meta'), torch.nn.LayerNorm(16).to('meta')
+    x = torch.empty(2, 24, 32, 16, device='meta', requires_grad=True)
+    for ac in (None, torch.bfloat16):
+        with OperationCounter() as ops:
+            with meta_autocast(ac) if ac else contextlib.nullcontext():
+                y = conv_ffn_branch(x, norm, ffn)
+            y.float().sum().backward()
+        assert 'clone' not in ops.by_name, (ac, ops.by_name)
 
 
 @pytest.mark.parametrize('dtype', DTYPES)

@@ -18,7 +18,7 @@ its input's dtype.
 import torch
 import torch.nn.functional as F
 
-from ..common import add_or_take, linear_into, token_chunk_rows
+from ..common import add_or_take, linear_into, promote_types, token_chunk_rows
 from ..common import in_dtype_of as _to
 
 __all__ = ['FFNBranch', 'ConvFFNBranch', 'ffn_branch', 'conv_ffn_branch']
@@ -194,9 +194,15 @@ class ConvFFNBranch(torch.autograd.Function):
 
 
 def _conv_sum(a, dw_w, dw_b, pad):
-    """``a + dwconv(a)`` of a (B, H, W, R) map, the conv on its channels-last NCHW view."""
-    c = F.conv2d(a.permute(0, 3, 1, 2), dw_w, dw_b, 1, pad, 1, dw_w.shape[0])
-    return c.permute(0, 2, 3, 1) + a
+    """``a + dwconv(a)`` of a (B, H, W, R) map, the conv on its channels-last NCHW view; the sum
+    (B, H, W, R)-contiguous, as ``fc2`` and its weight gradient read it. Where the conv comes back
+    channels-first (a GPU's own depth-wise kernel; ``meta``), the sum is written straight into
+    such a buffer: a sum in the conv's layout would be copied again by ``fc2``'s reshape, forward
+    and backward (same values either way)."""
+    c = F.conv2d(a.permute(0, 3, 1, 2), dw_w, dw_b, 1, pad, 1, dw_w.shape[0]).permute(0, 2, 3, 1)
+    if c.is_contiguous() or not a.is_contiguous():
+        return c + a
+    return torch.add(c, a, out=torch.empty_like(a, dtype=promote_types(c.dtype, a.dtype)))
 
 
 def ffn_branch(x, norm, mlp):
