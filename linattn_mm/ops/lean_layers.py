@@ -441,7 +441,6 @@ class GatherTokens(torch.autograd.Function):
         return dsrc, None, None, None, None, dfill
 
 
-
 def _sum_of_products(grad, b, shape):
     """``grad * b`` summed over the dims where ``shape`` (that of a factor that broadcasts over
     ``grad`` and ``b``; as many dims or fewer) has size 1, those dims kept. Off CPU, the sums over

@@ -20,9 +20,10 @@ policy, at the same place in the dispatcher and with the same rules as CUDA's au
 How: the autocast key of a device the machine does not have (``AutocastXPU``, whose own kernels
 cast only XPU tensors: they leave meta tensors as they are) is added to every dispatch while the
 region is active, and kernels registered for that key over its own (``torch.library``, removed
-again at the region's end) carry out CUDA's policy on meta tensors. The key sits above autograd, as CUDA's does, so autograd records the casts
-(``ToCopyBackward``) and the backward runs in the dtypes a GPU's does; like ``torch.autocast``,
-the region is meant for the forward (the backward outside it). The plugin's own checks of
+again at the region's end) carry out CUDA's policy on meta tensors. The key sits above autograd,
+as CUDA's does, so autograd records the casts (``ToCopyBackward``) and the backward runs in the
+dtypes a GPU's does; like ``torch.autocast``, the region is meant for the forward (the backward
+outside it). The plugin's own checks of
 autocast (:func:`linattn_mm.ops.common.autocast_on`, ``no_autocast``) see the region as autocast
 on the device ``meta``.
 

@@ -8,9 +8,9 @@ import torch.utils.checkpoint as cp
 
 from linattn_mm.models.attentions.base import build_attention
 from linattn_mm.ops.common import promote_types
-from linattn_mm.ops.lean_layers import scaled_add
 from linattn_mm.ops.dispatch import check_core
 from linattn_mm.ops.ffn import ffn_branch
+from linattn_mm.ops.lean_layers import scaled_add
 # re-exported for the skeletons
 from .grid import nchw_to_nlc, nlc_to_nchw, resize_grid_embed  # noqa: F401
 

@@ -46,9 +46,9 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..common import kept_input
 from ..pola.triton import (_LIB, _padded, _partials, _split, check_qkv, register_dot_flops,
                           triton)
-from ..common import kept_input
 from .fast import _rot_rows
 
 __all__ = ['nala_attention_triton', 'NormAwareAttentionTriton']
