@@ -620,7 +620,8 @@ def fused_attention_on_meta():
         if autocast_on(query.device):
             query, key, value, attn_mask = autocast_args(query, key, value, attn_mask)
             d = query.shape[-1]
-            if attn_mask is None and d % 8 == 0 and d <= 256 and key.shape[-1] == d:
+            if (attn_mask is None and d % 8 == 0 and d <= 256 and key.shape[-1] == d
+                    and value.shape[-1] == d):
                 return torch.ops.aten._scaled_dot_product_flash_attention(
                     query, key, value, dropout_p, is_causal, scale=scale)[0]
         if attn_mask is not None:  # as torch's sdpa does for this kernel: a mask whose strides

@@ -27,12 +27,15 @@ backward than plain autograd and recompute the rest (same values, same gradients
 Under autocast the products run in the autocast dtype as in the plain form; the backward computes
 in the dtype of the incoming gradient and returns each gradient in its input's dtype.
 """
+import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from linattn_mm.utils.autocast_meta import (meta_autocast_as, meta_autocast_dtype,
+                                            meta_autocast_enabled)
 from .common import (add_or_take, kept_input, linear_into, no_autocast, promote_types,
                      token_chunk_rows, token_gram)
 from .common import in_dtype_of as _to
@@ -46,8 +49,13 @@ __all__ = ['DepthwiseConvTokens', 'depthwise_conv_tokens', 'GatedLinear', 'NormG
 def recomputed(fn, *args):
     """``fn(*args)``, keeping for backward only the tensors among ``args`` (and the parameters
     ``fn`` reads): the backward runs ``fn`` again under autograd (non-reentrant checkpointing,
-    with the random state and autocast of the first run), so the gradients are those of ``fn``.
-    Without a gradient it simply runs ``fn``."""
+    with the random state and autocast of the first run; for ``meta`` tensors under
+    :func:`~linattn_mm.utils.meta_autocast`, that region's state too), so the gradients are those
+    of ``fn``. Without a gradient it simply runs ``fn``."""
+    if any(isinstance(a, torch.Tensor) and a.device.type == 'meta' for a in args):
+        state = meta_autocast_dtype() if meta_autocast_enabled() else None
+        return checkpoint(fn, *args, use_reentrant=False,
+                          context_fn=lambda: (contextlib.nullcontext(), meta_autocast_as(state)))
     return checkpoint(fn, *args, use_reentrant=False)
 
 
@@ -441,6 +449,12 @@ class GatherTokens(torch.autograd.Function):
         return dsrc, None, None, None, None, dfill
 
 
+def _batched_sums(device):
+    """Whether :func:`_sum_of_products` sums over trailing dims as a batched product there:
+    off CPU."""
+    return device.type != 'cpu'
+
+
 def _sum_of_products(grad, b, shape):
     """``grad * b`` summed over the dims where ``shape`` (that of a factor that broadcasts over
     ``grad`` and ``b``; as many dims or fewer) has size 1, those dims kept. Off CPU, the sums over
@@ -451,11 +465,12 @@ def _sum_of_products(grad, b, shape):
     shape = (1, ) * (grad.dim() - len(shape)) + tuple(shape)
     dims = [i for i, (s, t) in enumerate(zip(shape, grad.shape)) if s == 1 and t != 1]
     last = max((i + 1 for i, s in enumerate(shape) if s != 1), default=0)
-    if (dims and dims[-1] >= last and grad.numel() and grad.device.type != 'cpu'
+    if (dims and dims[-1] >= last and grad.numel() and _batched_sums(grad.device)
             and grad.dtype == b.dtype and grad.is_contiguous() and b.is_contiguous()):
         R = math.prod(grad.shape[last:])
         P = grad.numel() // R
-        out = torch.bmm(grad.view(P, 1, R), b.view(P, R, 1))
+        with no_autocast(grad.device):  # in grad's dtype, as the product and its sum
+            out = torch.bmm(grad.view(P, 1, R), b.view(P, R, 1))
         out = out.view(grad.shape[:last] + (1, ) * (grad.dim() - last))
         lead = [i for i in dims if i < last]
         return out.sum(lead, keepdim=True) if lead else out
@@ -490,9 +505,14 @@ class ScaledAdd(torch.autograd.Function):
         b, f = ctx.saved_tensors
         need = ctx.needs_input_grad
         db = None
-        if need[1]:  # in b's dtype: written so in one pass when the product has another
-            db = grad * f if promote_types(grad.dtype, f.dtype) == ctx.b_dtype else torch.mul(
-                grad, f, out=grad.new_empty(grad.shape, dtype=ctx.b_dtype))
+        if need[1]:  # in b's dtype: written so in one pass when the product has another (not
+            # while a graph of the backward is made: out= has no gradient)
+            if promote_types(grad.dtype, f.dtype) == ctx.b_dtype:
+                db = grad * f
+            elif torch.is_grad_enabled():
+                db = (grad * f).to(ctx.b_dtype)
+            else:
+                db = torch.mul(grad, f, out=grad.new_empty(grad.shape, dtype=ctx.b_dtype))
         df = _sum_of_products(grad, b, f.shape) if need[2] else None
         return grad if need[0] else None, db, df, None
 

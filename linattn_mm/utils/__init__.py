@@ -1,4 +1,5 @@
-"""Utilities shared by tests and benchmarks (no model code)."""
+"""Utilities shared by tests, benchmarks and the kernels of :mod:`linattn_mm.ops` (no model
+code)."""
 from .malloc import use_heap_allocator
 from .memory import PeakMemoryCounter
 from .autocast_meta import meta_autocast

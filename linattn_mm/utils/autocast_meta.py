@@ -46,7 +46,7 @@ import torch
 from torch._C import DispatchKey
 
 __all__ = ['meta_autocast', 'meta_autocast_enabled', 'meta_autocast_dtype', 'meta_autocast_off',
-           'autocast_args',
+           'autocast_args', 'meta_autocast_as',
            'LOWER_PRECISION', 'FP32', 'FP32_SET_OPT_DTYPE', 'FP32_APPEND_DTYPE', 'PROMOTE']
 
 #: CUDA's ``lower_precision_fp`` operations (``AT_FORALL_LOWER_PRECISION_FP`` and the cuDNN
@@ -127,7 +127,8 @@ def _cast(t, dtype):
         return t
     cache = _get('cache')
     if (dtype == _get('dtype') and t.dtype == torch.float32 and t.requires_grad and t.is_leaf
-            and not t._is_view() and cache is not None):
+            and not t._is_view() and cache is not None and torch.is_autocast_cache_enabled()
+            and not torch.is_inference_mode_enabled()):
         hit = cache.get(id(t))
         if hit is None:  # the source kept with its cast: its id is not reused in the region
             hit = cache[id(t)] = (t, t.to(dtype))
@@ -187,32 +188,46 @@ def _fp32_set_opt_dtype(op):
 
 
 def _fp32_append_dtype(op, to):
+    schema = op._schema.arguments
+
     def kernel(*args, **kwargs):
         if args and _eligible(args[0]):
-            return _redispatch(to, args, dict(kwargs, dtype=torch.float32))
+            # the arguments left to their defaults given by name: the overload with a dtype has
+            # no defaults for them
+            full = dict(kwargs)
+            for i, arg in enumerate(schema):
+                if i >= len(args) and arg.name not in full and arg.has_default_value():
+                    full[arg.name] = arg.default_value
+            return _redispatch(to, args, dict(full, dtype=torch.float32))
         return _redispatch(op, args, kwargs)
     return kernel
 
 
-def _promote_types(a, b):
-    """``torch.promote_types`` of two floating dtypes other than float64 (the torch function is
-    an operator call, which the operation counters would count)."""
-    if a == b:
-        return a
-    if {a, b} == {torch.float16, torch.bfloat16}:
+def _prioritize(current, nxt):
+    """CUDA's ``prioritize`` of the promote policy: the widest of the autocast dtype and the
+    floating arguments' (float64 arguments left out); half and bfloat16 together are an error,
+    as there."""
+    if nxt == torch.float64:
+        return current
+    if torch.float32 in (current, nxt):
         return torch.float32
-    return a if a.itemsize > b.itemsize else b
+    if current == nxt:
+        return current
+    raise RuntimeError(f'meta_autocast: {current} and {nxt} meet in an operation that autocast '
+                       'promotes (CUDA\'s autocast refuses it too)')
 
 
 def _promote(op):
     def kernel(*args, **kwargs):
         flat = [t for a in list(args) + list(kwargs.values())
-                for t in (a if isinstance(a, (list, tuple)) else (a,)) if _eligible(t)]
+                for t in (a if isinstance(a, (list, tuple)) else (a,))
+                if isinstance(t, torch.Tensor) and t.device.type == 'meta'
+                and t.is_floating_point()]
         if not flat:
             return _redispatch(op, args, kwargs)
-        widest = flat[0].dtype
-        for t in flat[1:]:
-            widest = _promote_types(widest, t.dtype)
+        widest = _get('dtype')
+        for t in flat:
+            widest = _prioritize(widest, t.dtype)
         return _redispatch(op, [_cast(a, widest) for a in args],
                            {k: _cast(v, widest) for k, v in kwargs.items()})
     return kernel
@@ -248,7 +263,8 @@ def _install(kernels):
 def meta_autocast(dtype=torch.bfloat16):
     """A region in which operations on ``meta`` tensors follow CUDA's autocast to ``dtype``
     (``torch.bfloat16`` or ``torch.float16``); tensors on other devices are not affected by it
-    (run them under ``torch.autocast``). Not nested in itself.
+    (run them under ``torch.autocast``). Not nested in itself. For counting on one thread: the
+    kernels are registered for the whole process while the region lasts.
 
     Raises:
         ValueError: ``dtype`` is not a half-precision floating dtype.
@@ -272,6 +288,27 @@ def meta_autocast(dtype=torch.bfloat16):
     finally:
         _state.dtype, _state.cache = None, None
         lib._destroy()
+
+
+@contextlib.contextmanager
+def meta_autocast_as(dtype):
+    """The meta autocast state ``dtype`` (None: off) again, for a recomputation in the backward
+    (activation checkpointing restores autocast for the devices it knows, and ``meta`` is not
+    one): a :func:`meta_autocast` region of ``dtype`` if none is active, else the active one
+    switched on."""
+    if dtype is None:
+        with meta_autocast_off():
+            yield
+    elif _get('dtype') is None:
+        with meta_autocast(dtype):
+            yield
+    else:
+        was_on = torch.is_autocast_enabled(_DEVICE)
+        torch.set_autocast_enabled(_DEVICE, True)
+        try:
+            yield
+        finally:
+            torch.set_autocast_enabled(_DEVICE, was_on)
 
 
 @contextlib.contextmanager

@@ -46,6 +46,9 @@ def _zoo(x, y, w, cw, cb, dw, ln_w, ln_b, gn_w, gn_b):
     outs += [a.sum(), a.sum(-1), a.mean(-1), a.softmax(-1), F.log_softmax(a, -1), a.cumsum(0)]
     outs += [a.sum(-1, dtype=torch.float16), a.norm(), a.norm(dim=-1),
              torch.linalg.vector_norm(a, dim=-1)]
+    outs += [torch.ops.aten.norm.Scalar(a), torch.ops.aten.norm.ScalarOpt_dim(a, 2, [1]),
+             torch.ops.aten.norm.ScalarOpt_dim(a, 3., [0], True)]  # norm's dtype overloads
+    outs += [torch.addcmul(a, a, a)]  # promote, all in the autocast dtype
     outs += [torch.addcmul(x, a, x), torch.cat([a, x]), a + x, a * 2, F.gelu(a), F.silu(a),
              a.sigmoid(), a.tanh(), F.interpolate(c, scale_factor=2, mode='bilinear')]
     outs += [F.scaled_dot_product_attention(a[None, None], x[None, None], x[None, None])]
@@ -168,3 +171,50 @@ def test_cpu_tensors_and_bad_use():
     with pytest.raises(ValueError, match='torch.bfloat16 or torch.float16'):
         with ma.meta_autocast(torch.float32):
             pass
+
+
+def test_region_leaves_nothing_behind_even_on_error():
+    """The kernels are the dispatcher's own again after a region, and the switches as they were,
+    when its body raises too."""
+    before = torch._C._dispatch_dump('aten::mm')
+    with pytest.raises(ZeroDivisionError):
+        with ma.meta_autocast(torch.bfloat16):
+            assert 'autocast_meta' in torch._C._dispatch_dump('aten::mm')
+            1 / 0
+    assert torch._C._dispatch_dump('aten::mm') == before
+    assert ma.meta_autocast_dtype() is None and not torch.is_autocast_enabled('xpu')
+    with ma.meta_autocast(torch.float16):  # and a new region works
+        a = torch.empty(2, 2, device='meta')
+        assert (a @ a).dtype == torch.float16
+
+
+def test_promote_refuses_half_and_bfloat16_together_as_cuda_does():
+    a = torch.empty(3, 3, device='meta', dtype=torch.bfloat16)
+    with ma.meta_autocast(torch.bfloat16):
+        assert torch.addcmul(a, a, a).dtype == torch.bfloat16
+        assert torch.addcmul(a.float(), a, a).dtype == torch.float32
+        with pytest.raises(RuntimeError, match='float16'):
+            torch.addcmul(a, a.half(), a)
+
+
+def test_recomputation_and_float32_mixers_under_the_region():
+    """A mixer that runs its core in float32 under autocast (SeT, PADRe, Poly-SA:
+    ``run_in_fp32``) and whose training form recomputes it in the backward
+    (``ops.lean_layers.recomputed``): under the region its forward gives float32, and the
+    backward's recomputation runs in the forward's dtypes (checkpointing would refuse otherwise)."""
+    from linattn_mm.models.attentions import build_attention
+    from linattn_mm.ops.lean_layers import recomputed
+    for cfg in (dict(type='PADReMixer'), dict(type='PolySelfAttention')):
+        m = build_attention(dict(cfg, embed_dims=32, num_heads=2)).to('meta').train()
+        x = torch.empty(2, 48, 32, device='meta', requires_grad=True)
+        with ma.meta_autocast(torch.bfloat16):
+            y = m(x, (6, 8))
+        y.float().sum().backward()
+        assert x.grad is not None and x.grad.shape == x.shape
+    lin = torch.nn.Linear(8, 8).to('meta')
+    x = torch.empty(4, 8, device='meta', requires_grad=True)
+    with ma.meta_autocast(torch.bfloat16):
+        y = recomputed(lambda t: lin(t).exp(), x)
+    assert y.dtype == torch.float32  # exp: float32 policy, of the bf16 product
+    y.sum().backward()
+    assert x.grad.dtype == torch.float32

@@ -4,6 +4,7 @@ what its backward moves."""
 import pytest
 import torch
 
+from linattn_mm.ops import lean_layers
 from linattn_mm.ops.lean_layers import ScaledAdd, _sum_of_products, scaled_add
 from linattn_mm.utils import TrafficCounter, meta_autocast
 
@@ -17,8 +18,11 @@ CASES = [  # (name, map shape, factor shape)
 ]
 
 
+@pytest.mark.parametrize('batched', [False, True])
 @pytest.mark.parametrize('name,shape,fshape', CASES)
-def test_gradients_equal_plain_autograd(name, shape, fshape):
+def test_gradients_equal_plain_autograd(name, shape, fshape, batched, monkeypatch):
+    # batched: the factor's gradient as the batched product a GPU takes, here on CPU
+    monkeypatch.setattr(lean_layers, '_batched_sums', lambda device: batched)
     g = torch.Generator().manual_seed(0)
     x, b = (torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
             for _ in range(2))
@@ -69,10 +73,10 @@ def test_sums_over_trailing_dims_are_one_batched_product():
     assert t.by_name == {'bmm': 1, 'sum': 1}
 
 
-def test_backward_under_autocast_moves_two_passes():
+def test_what_a_step_under_autocast_moves():
     """Counted as on a GPU under autocast (bf16 branch, float32 residual): forward one pass
-    (x and b read, the sum written); backward b's gradient written in bfloat16 in one pass and
-    f's as the product and its sum (mixed dtypes)."""
+    (x and b read, the sum written); backward b's gradient written in bfloat16 in one pass, and
+    f's as the product and its sum (mixed dtypes: two passes more)."""
     x = torch.empty(8, 64, 200, 336, device='meta', requires_grad=True)
     b0 = torch.empty(8, 64, 200, 336, device='meta', requires_grad=True)
     f = torch.empty(8, 64, 1, 1, device='meta', requires_grad=True)
@@ -90,3 +94,19 @@ def test_backward_under_autocast_moves_two_passes():
     # its sum; small terms
     big = n * (4 + 2) + n * (4 + 2 + 4) + n * 4
     assert big <= bw.bytes_moved < big + 2 ** 20, bw.records
+
+
+def test_double_backward_with_a_half_precision_branch():
+    """A graph of the backward (``create_graph``) works: the branch's gradient is then cast
+    after the product (no ``out=``), and its own gradients are those of plain autograd."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 4, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(2, 3, 4, 5, generator=g).bfloat16().requires_grad_()
+    f = torch.rand(1, 3, 1, 1, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 3, 4, 5, generator=g, dtype=torch.float64)
+    res = []
+    for fn in (lambda: x + b.double() * f, lambda: scaled_add(x, b, f)):
+        gb, gf = torch.autograd.grad(fn(), (b, f), w, create_graph=True)
+        assert gb.dtype == torch.bfloat16
+        res.append(torch.autograd.grad(gb.double().square().sum() + gf.sum(), f)[0])
+    torch.testing.assert_close(res[1], res[0], rtol=1e-12, atol=1e-12)

@@ -105,3 +105,21 @@ def test_add_under_autocast_reads_the_half_precision_branch_as_it_is():
         assert out.dtype == torch.float32
         # x read, the branch read as it is (2 bytes a value), the sum written; the rest small
         assert full * (4 + 2 + 4) <= ops.bytes_moved < full * (4 + 2 + 4) + 2 ** 16, ops.by_name
+
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize('training', [True, False])
+def test_add_keeps_the_dtype_of_a_half_precision_model(dtype, training):
+    """A model in half precision throughout (no autocast): the sum has the dtype of
+    ``x + drop_path(scale * branch)`` in training as in eval (the float32 factor of the mask and
+    ``1 / keep`` does not promote it), and its values within the dtype's rounding."""
+    dp = DropPath(0.3).train(training)
+    g = torch.Generator().manual_seed(4)
+    x, b = (torch.randn(16, 6, 5, 7, generator=g).to(dtype) for _ in range(2))
+    for scale in (None, torch.rand(1, 6, 1, 1, generator=g).to(dtype)):
+        torch.manual_seed(5)
+        want = x + dp(b if scale is None else scale * b)
+        torch.manual_seed(5)
+        got = dp.add(x, b, scale)
+        assert got.dtype == want.dtype == dtype
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -6)

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from mmengine.model import BaseModule
 
-from linattn_mm.ops.common import autocast_on
+from linattn_mm.ops.common import autocast_on, no_autocast
 from linattn_mm.registry import ATTENTIONS
 
 
@@ -82,7 +82,7 @@ def run_in_fp32(fn, x, *args, enabled=True, **kwargs):
     of the skeletons is float32 under autocast). Mixers whose products or sums over tokens can
     leave the float16 range use this for their core."""
     if enabled and autocast_on(x.device):
-        with torch.autocast(x.device.type, enabled=False):
+        with no_autocast(x.device):
             return fn(x.float(), *args, **kwargs)
     return fn(x, *args, **kwargs)
 

@@ -66,10 +66,10 @@ class DropPath(nn.Module):
         keep = 1 - self.drop_prob
         f = self._mask(branch, keep)  # 1 / keep in float32 at least, not in a half precision
         f = f.to(promote_types(f.dtype, torch.float32)).div_(keep)
-        if scale is not None:
-            return scaled_add(x, branch, scale * f)
-        # the dtype of x + mask * branch (a float32 factor does not promote the sum)
-        return scaled_add(x, branch, f, promote_types(x.dtype, branch.dtype))
+        # the dtype of x + mask * (scale * branch): the float32 factor does not promote the sum
+        out = promote_types(x.dtype, branch.dtype if scale is None else
+                            promote_types(scale.dtype, branch.dtype))
+        return scaled_add(x, branch, f if scale is None else scale * f, out)
 
     def extra_repr(self):
         return f'drop_prob={self.drop_prob}'

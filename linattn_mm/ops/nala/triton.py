@@ -457,7 +457,9 @@ class NormAwareAttentionTriton(torch.autograd.Function):
     def forward(ctx, q, k, v, lam, eps, sin, cos, out_dtype, block_n, block_m, v_keep=None):
         fn = 'nala_attention_triton'
         v_in = kept_input(fn, v, v_keep)
-        B, h, N, n, d = check_qkv(fn, q, k, v_in, meta=True)
+        B, h, N, n, d = check_qkv(fn, q, k, v, meta=True)
+        if v_keep is not None:
+            check_qkv(fn, q, k, v_in, meta=True)
         DP = _padded(d)
         acc, ks = torch.ops.linattn_mm.nala_triton_keys(k, v_in, sin, cos, lam, block_n)
         acc = acc.sum(1).mul_(1.0 / n)  # (B*h, 4, DP, DP)
