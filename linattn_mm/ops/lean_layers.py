@@ -464,7 +464,7 @@ def _sum_of_products(grad, b, shape):
     speed of the two passes: 3.5 against 1.0 ms for a (64, 128 x 208) map, one thread)."""
     shape = (1, ) * (grad.dim() - len(shape)) + tuple(shape)
     dims = [i for i, (s, t) in enumerate(zip(shape, grad.shape)) if s == 1 and t != 1]
-    last = max((i + 1 for i, s in enumerate(shape) if s != 1), default=0)
+    last = max([i + 1 for i, s in enumerate(shape) if s != 1] + [0])  # (dynamo: no default=)
     if (dims and dims[-1] >= last and grad.numel() and _batched_sums(grad.device)
             and grad.dtype == b.dtype and grad.is_contiguous() and b.is_contiguous()):
         R = math.prod(grad.shape[last:])
