@@ -300,6 +300,9 @@ TABLE = {
             'reference --grid 8x8 --batch 1 (no GPU in CI; the Triton kernel itself is tested '
             'through the interpreter by tests/kernels/test_nala_triton.py)'),
     # ---- docs/benchmarks.md, "On a GPU"
+    'bash tools/gpu_benchmarks.sh gpu_figures':
+        Exempt('needs a CUDA GPU: tests/e2e/test_gpu_benchmarks.py runs its benchmark commands '
+               'on meta and on CPU, and checks its test files, parts and refusals'),
     'python tools/benchmark.py --mode core --attn pola --device cuda --dtype bf16 --grid 128x128 '
     '256x256 --batch 8 --warmup 3 --repeats 10 --impls triton torch reference --compare torch':
         Run('gpu_benchmark_core', '--device cpu --dtype fp32 --impls torch reference --compare '

@@ -1,0 +1,135 @@
+"""tools/gpu_benchmarks.sh: the GPU figures of docs/benchmarks.md in one run. Without a GPU its
+benchmark commands run here as the documented GPU commands are run by test_doc_commands.py: the
+same tool, mode, targets and flags, only the device (``meta`` for the training steps, which counts
+them with the Triton cores as on a GPU; CPU for the rest), sizes and repeats changed; the CUDA
+test files it names exist; a bad part name or a machine without a GPU stops it before anything
+runs, with the reason."""
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+import torch
+
+SCRIPT = 'tools/gpu_benchmarks.sh'
+PARTS = ['tests', 'pola_core', 'nala_core', 'train_b8', 'train_b1', 'infer_b8', 'maskrcnn']
+STOCK_MRCNN = 'mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'
+
+
+def script(*args, **env):
+    return subprocess.run(['bash', SCRIPT, *args], capture_output=True, text=True,
+                          env={**os.environ, 'PYTHON': sys.executable, **env})
+
+
+def printed():
+    """part -> its command (argv), as ``--print`` writes them."""
+    res = script('--print')
+    assert res.returncode == 0, res.stderr
+    cmds = {}
+    for line in res.stdout.splitlines():
+        part, cmd = line.split(': ', 1)
+        cmds[part] = shlex.split(cmd)
+    return cmds
+
+
+def override(argv, **values):
+    """``argv`` with the values of the flags named (``device='cpu'`` for ``--device``) replaced;
+    the tool and every other flag kept."""
+    out = list(argv)
+    for key, vals in values.items():
+        flag = '--' + key.replace('_', '-')
+        i = out.index(flag)  # the flag must be there: only values change
+        j = i + 1
+        while j < len(out) and not out[j].startswith('--'):
+            j += 1
+        out[i + 1:j] = vals if isinstance(vals, list) else [vals]
+    return out
+
+
+def run(argv, tmp_path):
+    argv = override(argv, json=str(tmp_path / 'out.json'))
+    res = subprocess.run(argv, capture_output=True, text=True)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0 and 'FAILED' not in out, out[-3000:]
+    assert (tmp_path / 'out.json').stat().st_size > 0
+    return out
+
+
+def test_parts_and_their_commands():
+    cmds = printed()
+    assert list(cmds) == PARTS
+    for part, argv in cmds.items():
+        assert argv[0] == sys.executable, (part, argv)
+        if part == 'tests':
+            files = [a for a in argv if a.startswith('tests/')]
+            assert len(files) == 5 and all(os.path.isfile(f) for f in files), files
+        else:  # every benchmark on the GPU, each writing its JSON file into the output folder
+            assert argv[1] == 'tools/benchmark.py' and '--device' in argv, argv
+            assert argv[argv.index('--device') + 1] == 'cuda'
+            assert argv[argv.index('--json') + 1] == f'OUT_DIR/{part}.json'
+    assert cmds['train_b8'][cmds['train_b8'].index('--batch') + 1] == '8'
+    assert cmds['train_b1'][cmds['train_b1'].index('--batch') + 1] == '1'
+
+
+def test_bad_part_or_arguments_stop_before_anything_runs(tmp_path):
+    res = script(str(tmp_path / 'out'), 'train_b8', 'nope')
+    assert res.returncode == 2 and "unknown part 'nope'" in res.stderr
+    assert 'parts: tests pola_core' in res.stderr
+    assert not (tmp_path / 'out').exists()
+    res = script()
+    assert res.returncode == 2 and res.stderr.startswith('usage: bash tools/gpu_benchmarks.sh')
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='this machine has a GPU')
+def test_no_gpu_is_named(tmp_path):
+    res = script(str(tmp_path / 'out'), 'train_b1')
+    assert res.returncode == 2
+    assert 'sees no CUDA GPU (torch.cuda.is_available() is False)' in res.stderr
+    assert not (tmp_path / 'out').exists()
+
+
+
+@pytest.mark.parametrize('part', ['train_b8', 'train_b1'])
+def test_training_steps_counted_as_on_a_gpu(part, tmp_path):
+    """On ``meta`` the training steps run with both cores, under CUDA's autocast."""
+    out = run(override(printed()[part], device='meta', sizes='64x96', warmup='0', repeats='1'),
+              tmp_path)
+    assert 'device meta' in out and 'dtype bf16' in out
+    for base, name in (('swin-t', 'pola-swin-t'), ('swin-t', 'nalaformer-t'),
+                       ('pvt-t', 'pola-pvt-t')):
+        assert f'(live tensors of the GPU path): this / {base}' in out
+        for impl in ('fast', 'triton'):
+            assert re.search(rf'^{name}\s+{impl}\s+64x96: operations [\d.]+x \(\d+ / \d+\); '
+                             rf'bytes [\d.]+x; memory [\d.]+x', out, re.M), \
+                (name, impl, out[-3000:])
+
+
+def test_inference(tmp_path):
+    out = run(override(printed()['infer_b8'], device='cpu', dtype='fp32', sizes='64x96',
+                       batch='1', warmup='0', repeats='1'), tmp_path)
+    for base, name in (('swin-t', 'pola-swin-t'), ('swin-t', 'nalaformer-t'),
+                       ('pvt-t', 'pola-pvt-t')):
+        assert f'# time ratios: {base} / this' in out
+        for impl in ('fast', 'torch'):
+            assert re.search(rf'^{name}\s.*\b{impl}\b', out, re.M), (name, impl, out[-3000:])
+
+
+@pytest.mark.parametrize('part', ['pola_core', 'nala_core'])
+def test_cores(part, tmp_path):
+    """The Triton kernels need CUDA (their interpreter runs are in tests/kernels): here the torch
+    Function against the reference, forward and backward."""
+    out = run(override(printed()[part], device='cpu', dtype='fp32', grid='8x8', batch='1',
+                       impls=['torch', 'reference'], compare='reference', warmup='0',
+                       repeats='1'), tmp_path)
+    assert re.search(r'^  torch vs reference: [\d.]+x$', out, re.M), out[-3000:]
+
+
+def test_mask_rcnn(tmp_path):
+    out = run(override(printed()['maskrcnn'], device='cpu', sizes='128x192', batch='1',
+                       warmup='0', repeats='1'), tmp_path)
+    assert f'# time ratios: {STOCK_MRCNN} / this' in out
+    for ours in ('configs/polaformer/mask-rcnn_pola-swin-t_fpn_1x_coco.py',
+                 'configs/nalaformer/mask-rcnn_nalaformer-t_fpn_1x_coco.py'):
+        assert re.search(rf'^{re.escape(ours)}\s.*\b[\d.]+x\b', out, re.M), out[-3000:]

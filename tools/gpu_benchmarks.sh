@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# The GPU figures of docs/benchmarks.md in one run, on a machine with one CUDA GPU where the
+# plugin and its OpenMMLab stack are installed (the Python given by $PYTHON, default `python`):
+#
+#   bash tools/gpu_benchmarks.sh OUT_DIR [PART ...]   # all parts, or the ones named
+#   bash tools/gpu_benchmarks.sh --print [PART ...]   # print the commands, run nothing
+#
+# Parts (in this order; each writes OUT_DIR/PART.log, the benchmarks also OUT_DIR/PART.json):
+#   tests         the CUDA tests: the Triton cores compiled and checked against the float64
+#                 reference, the CUDA training forms, autocast, the inference conversion
+#   pola_core     the Pola core alone, forward and backward, bf16, 128² and 256² tokens, batch 8:
+#                 Triton against the torch Function and the reference, with the achieved bandwidth
+#   nala_core     the same for the NaLa core
+#   train_b8      training steps at 800×1344, bf16 autocast, batch 8: Pola-Swin-T, NaLaFormer-T
+#                 and Pola-PVT-T (torch and Triton cores) against the stock Swin-T and PVT-T
+#   train_b1      the same at batch 1
+#   infer_b8      inference at 800×1344, bf16, batch 8: converted (Triton) and unconverted
+#   maskrcnn      a Mask R-CNN training iteration, batch 2, 1333×800, float32: the Pola-Swin-T
+#                 and NaLaFormer-T configs against the stock Swin-T config
+#
+# Every part runs under its own time limit ($PART_LIMIT seconds, default 900); one that fails or
+# runs out of time is reported at the end and the others still run. The exit status is that of
+# the first part that failed (0 if none).
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python}"
+LIMIT="${PART_LIMIT:-900}"
+ALL=(tests pola_core nala_core train_b8 train_b1 infer_b8 maskrcnn)
+STOCK_SWIN_MRCNN='mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'
+BACKBONES=(swin-t pola-swin-t nalaformer-t pvt-t pola-pvt-t)
+GPU=(--device cuda --warmup 3 --repeats 10)
+
+# the command of a part, one argument per line
+part_command() {
+    local out="$1" part="$2"
+    case "$part" in
+        tests)
+            printf '%s\n' "$PY" -m pytest -q -p no:cacheprovider \
+                tests/kernels/test_triton_cuda.py tests/kernels/test_training_forms.py \
+                tests/kernels/test_triton_fallback.py tests/models/test_amp.py \
+                tests/models/test_deploy.py ;;
+        pola_core|nala_core)
+            printf '%s\n' "$PY" tools/benchmark.py --mode core --attn "${part%_core}" --backward \
+                "${GPU[@]}" --dtype bf16 --grid 128x128 256x256 --batch 8 \
+                --impls triton torch reference --compare torch --json "$out/$part.json" ;;
+        train_b8|train_b1)
+            printf '%s\n' "$PY" tools/benchmark.py --mode train "${BACKBONES[@]}" "${GPU[@]}" \
+                --dtype bf16 --sizes 800x1344 --batch "${part#train_b}" --impls fast triton \
+                --compare swin-t pola-pvt-t:pvt-t --json "$out/$part.json" ;;
+        infer_b8)
+            printf '%s\n' "$PY" tools/benchmark.py --mode backbone "${BACKBONES[@]}" "${GPU[@]}" \
+                --dtype bf16 --sizes 800x1344 --batch 8 --impls fast torch \
+                --compare swin-t pola-pvt-t:pvt-t --json "$out/$part.json" ;;
+        maskrcnn)
+            printf '%s\n' "$PY" tools/benchmark.py --mode train \
+                configs/polaformer/mask-rcnn_pola-swin-t_fpn_1x_coco.py \
+                configs/nalaformer/mask-rcnn_nalaformer-t_fpn_1x_coco.py "$STOCK_SWIN_MRCNN" \
+                --part model "${GPU[@]}" --sizes 800x1333 --batch 2 \
+                --compare "$STOCK_SWIN_MRCNN" --json "$out/$part.json" ;;
+        *)
+            echo "gpu_benchmarks.sh: unknown part '$part' (parts: ${ALL[*]})" >&2
+            return 2 ;;
+    esac
+}
+
+PRINT=0
+if [ "${1:-}" = "--print" ]; then
+    PRINT=1
+    OUT='OUT_DIR'
+    shift
+elif [ $# -ge 1 ] && [ "${1#-}" = "$1" ]; then
+    OUT="$1"
+    shift
+else
+    echo "usage: bash tools/gpu_benchmarks.sh OUT_DIR [PART ...] | --print [PART ...]" \
+         "(parts: ${ALL[*]})" >&2
+    exit 2
+fi
+[ $# -gt 0 ] || set -- "${ALL[@]}"
+for part in "$@"; do  # every name checked before anything runs
+    part_command "$OUT" "$part" > /dev/null || exit 2
+done
+
+if [ "$PRINT" = 1 ]; then
+    for part in "$@"; do
+        mapfile -t cmd < <(part_command "$OUT" "$part")
+        printf '%s:' "$part"
+        printf ' %q' "${cmd[@]}"
+        printf '\n'
+    done
+    exit 0
+fi
+
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    echo "gpu_benchmarks.sh: $PY sees no CUDA GPU (torch.cuda.is_available() is False)" >&2
+    exit 2
+fi
+mkdir -p "$OUT"
+"$PY" - > "$OUT/machine.txt" 2>&1 <<'EOF'
+import platform, torch
+import linattn_mm
+p = torch.cuda.get_device_properties(0)
+print(f'linattn_mm {linattn_mm.__version__}, torch {torch.__version__}, CUDA {torch.version.cuda}')
+print(f'{p.name}, {p.total_memory / 2**20:.0f} MiB, {p.multi_processor_count} SMs; '
+      f'{platform.processor() or platform.machine()}')
+try:
+    import triton
+    print(f'triton {triton.__version__}')
+except ImportError:
+    print('triton: not installed (the Triton cores fall back to the torch kernels)')
+EOF
+cat "$OUT/machine.txt"
+
+status=0
+failed=()
+for part in "$@"; do
+    mapfile -t cmd < <(part_command "$OUT" "$part")
+    echo "[gpu_benchmarks $(date +%T)] $part"
+    timeout "$LIMIT" "${cmd[@]}" > "$OUT/$part.log" 2>&1
+    rc=$?
+    tail -n 25 "$OUT/$part.log"
+    if [ $rc -ne 0 ]; then
+        [ $rc -eq 124 ] && why="ran past ${LIMIT} s" || why="exit status $rc"
+        failed+=("$part ($why)")
+        [ $status -ne 0 ] || status=$rc
+    fi
+done
+echo "[gpu_benchmarks $(date +%T)] done; logs in $OUT"
+if [ ${#failed[@]} -gt 0 ]; then
+    printf 'failed: %s\n' "${failed[@]}"
+fi
+exit $status
