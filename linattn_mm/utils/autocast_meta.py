@@ -303,20 +303,23 @@ def meta_autocast_as(dtype):
         with meta_autocast(dtype):
             yield
     else:
-        was_on = torch.is_autocast_enabled(_DEVICE)
-        torch.set_autocast_enabled(_DEVICE, True)
-        try:
+        with _switched(True):
             yield
-        finally:
-            torch.set_autocast_enabled(_DEVICE, was_on)
 
 
 @contextlib.contextmanager
 def meta_autocast_off():
     """Inside a :func:`meta_autocast` region: meta tensors in their own dtypes again (what
     ``torch.autocast(..., enabled=False)`` does on CUDA)."""
+    with _switched(False):
+        yield
+
+
+@contextlib.contextmanager
+def _switched(on):
+    """The region's autocast switched on or off, and back as it was at the exit."""
     was_on = torch.is_autocast_enabled(_DEVICE)
-    torch.set_autocast_enabled(_DEVICE, False)
+    torch.set_autocast_enabled(_DEVICE, on)
     try:
         yield
     finally:
