@@ -79,6 +79,11 @@ or with a mask, ``aten._scaled_dot_product_flash_attention`` in half precision w
 knows their shapes on meta): its decomposition would count the (N, N) attention matrices of the
 global softmax stages.
 
+``--ops-by-module N`` (``--mode train``) counts one more step of each target by module class
+(:class:`~linattn_mm.utils.OperationsByModule`: forward operations for the innermost module
+running, backward ones for the module whose forward made the autograd node) and prints the ``N``
+entries with the most operations under the target's row, with the bytes they move.
+
 ``--compile [BACKEND]`` (``--mode train``, backbones) compiles each backbone with
 ``torch.compile`` (``inductor`` by default) and times its compiled training steps; the warm-up
 steps compile. Off CUDA no peak memory is reported for them (the CPU counter is a dispatch mode,
@@ -118,7 +123,8 @@ from linattn_mm.models.attentions.pola import PolaLinearAttention
 from linattn_mm.models.utils.layers import TransformerBlock
 from linattn_mm.models.backbones.nalaformer import NaLaBlock
 from linattn_mm.ops.common import autocast_on, no_autocast
-from linattn_mm.utils import PeakMemoryCounter, TrafficCounter, meta_autocast, use_heap_allocator
+from linattn_mm.utils import (OperationsByModule, PeakMemoryCounter, TrafficCounter, meta_autocast,
+                              use_heap_allocator)
 from linattn_mm.utils.autocast_meta import autocast_args
 from linattn_mm.utils.progress import emit, progress_bar
 
@@ -482,6 +488,34 @@ def count_operations(run, roofline=None):
     return dict(total=ops.total, bytes=ops.bytes_moved, flops=ops.flops, roofline_s=bound)
 
 
+def ops_by_module(model, activate, run, most):
+    """One more training step (``run``) of ``model`` in the form ``activate`` gives it, counted
+    by module class (:class:`~linattn_mm.utils.OperationsByModule`): the ``most`` entries with
+    the most operations, as ``(module, phase, operations, bytes)``, and the step's total
+    operations."""
+    activate()
+    if hasattr(run, 'clear'):
+        run.clear()
+    with OperationsByModule(model) as ops:
+        out = run()
+    del out
+    top = sorted(ops.by_module.items(), key=lambda kv: (-kv[1][0], kv[0]))[:most]
+    return [(mod, phase, n, nbytes) for (mod, phase), (n, nbytes) in top], ops.total
+
+
+def _emit_by_module(bar, result, counted):
+    """Print the per-module counts of :func:`ops_by_module` under a result's row, and keep them
+    in the result (``operations_by_module``)."""
+    if counted is None:
+        return
+    top, total = counted
+    result['operations_by_module'] = [dict(module=m, phase=p, operations=n, bytes=b)
+                                      for m, p, n, b in top]
+    for mod, phase, n, nbytes in top:
+        emit(bar, f'    {mod:34s} {phase:8s} {n:6d} ops ({n / max(total, 1):5.1%})  '
+                  f'{nbytes / 1e9:8.2f} GB')
+
+
 def measure_interleaved(variants, device, warmup, repeats, autocast_dtype, count_ops=False,
                         roofline=None):
     """Time several variants of one forward in rounds (A, B, C, A, B, C, ...), so that a change of
@@ -577,6 +611,11 @@ def parse_args(argv=None):
                    help='with the operations counted: also the roofline bound of the step on '
                         'that GPU (every operation at least its bytes over the bandwidth and its '
                         'FLOPs over the peak rate)')
+    p.add_argument('--ops-by-module', type=int, default=None, metavar='N',
+                   help='--mode train: also count one more step of each target by module class '
+                        '(forward: the innermost module running; backward: the module whose '
+                        'forward made the autograd node), the N with the most operations '
+                        'printed, with the bytes they move')
     p.add_argument('--compile', nargs='?', const='inductor', default=None, metavar='BACKEND',
                    help='--mode train, backbones: torch.compile each backbone (backend inductor, '
                         'or the one named) and time its compiled steps; the warm-up steps '
@@ -667,6 +706,10 @@ def _main(args):
     if args.roofline and not (args.count_ops or args.device == 'meta'):
         raise SystemExit('--roofline bounds the counted operations: give --count-ops, or '
                          '--device meta (which always counts them)')
+    if args.ops_by_module is not None and (args.mode != 'train' or args.compile
+                                           or args.ops_by_module < 1):
+        raise SystemExit('--ops-by-module N (N >= 1) counts training steps by module: '
+                         '--mode train, not --compile')
     if args.count_ops and args.mode == 'core':
         raise SystemExit('--count-ops counts the operations of a model or layer step; '
                          '--mode core does not take it')
@@ -798,6 +841,11 @@ def _main(args):
                 if bar is not None:
                     bar.update(len(built))
                 continue
+            by_module = {}
+            if args.ops_by_module is not None:
+                model_of = {f'{b[0]} | {impl}': b[1] for b in built for impl in b[3]}
+                for key, act, fn in variants:
+                    by_module[key] = ops_by_module(model_of[key], act, fn, args.ops_by_module)
             for name, model, call, impls, _, nparams in built:
                 first_out = meas[f'{name} | {impls[0]}'][2]
                 for impl in impls:
@@ -834,11 +882,13 @@ def _main(args):
                     if device.type == 'meta':  # no time: operations and memory
                         emit(bar, f'{name:28s} {impl:9s} {hw[0]:5d}x{hw[1]:<5d} '
                              f'{ops["total"]:6d} ops  peak {peak / 2**20:9.1f} MB{traffic}')
+                        _emit_by_module(bar, r, by_module.get(f'{name} | {impl}'))
                         del out
                         continue
                     emit(bar, f'{name:28s} {impl:9s} {hw[0]:5d}x{hw[1]:<5d} {med * 1e3:10.1f} ms '
                          f'(min {min(times) * 1e3:.1f}) {args.batch / med:9.2f} img/s  '
                          f'peak {peak / 2**20:9.1f} MB{extra}')
+                    _emit_by_module(bar, r, by_module.get(f'{name} | {impl}'))
                     del out
                 del first_out
             del meas, variants

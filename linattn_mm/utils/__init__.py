@@ -3,7 +3,7 @@ code)."""
 from .malloc import use_heap_allocator
 from .memory import PeakMemoryCounter
 from .autocast_meta import meta_autocast
-from .op_counter import OperationCounter, TrafficCounter
+from .op_counter import OperationCounter, OperationsByModule, TrafficCounter
 
-__all__ = ['OperationCounter', 'PeakMemoryCounter', 'TrafficCounter', 'meta_autocast',
-           'use_heap_allocator']
+__all__ = ['OperationCounter', 'OperationsByModule', 'PeakMemoryCounter', 'TrafficCounter',
+           'meta_autocast', 'use_heap_allocator']

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-__all__ = ['OperationCounter', 'TrafficCounter', 'spanned_bytes']
+__all__ = ['OperationCounter', 'OperationsByModule', 'TrafficCounter', 'spanned_bytes']
 
 
 class OperationCounter(TorchDispatchMode):
@@ -151,3 +151,79 @@ class TrafficCounter(OperationCounter):
             rate = peak_flops.get(dtype, peak_flops[torch.float32])
             total += max(nbytes / bandwidth, flops / rate)
         return total
+
+
+#: the key under which :class:`OperationsByModule` writes a node's module into its metadata
+_MODULE_KEY = 'linattn_mm_module'
+
+
+class OperationsByModule(TrafficCounter):
+    """A :class:`TrafficCounter` that also tells which module each operation came from: forward
+    operations are counted for the innermost module running (its class name), and backward ones
+    for the module whose forward made the autograd node that runs them (a recomputation in the
+    backward, as activation checkpointing makes, for the module whose node asked for it: the
+    recomputed region's last); ``'(outside)'`` where there is none (the loss and its gradient).
+
+    Example::
+
+        with OperationsByModule(model) as ops:
+            model(x).sum().backward()
+        for (module, phase), (count, nbytes) in ops.by_module.most_common(5): ...
+
+    Attributes:
+        by_module (collections.Counter): ``(module class name, 'forward' | 'backward')`` ->
+            ``[operations, bytes moved]`` (a two-item list; ``most_common`` orders by it).
+    """
+    OUTSIDE = '(outside)'
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.by_module = collections.Counter()
+        self._stack = []
+        self._handles = []
+
+    def __enter__(self):
+        for module in self.model.modules():
+            self._handles.append(module.register_forward_pre_hook(self._enter_module))
+            self._handles.append(module.register_forward_hook(self._leave_module))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._stack.clear()
+        return super().__exit__(*exc)
+
+    def _enter_module(self, module, args):
+        # autograd nodes made from here on get sequence numbers from this one on
+        self._stack.append((type(module).__name__, torch._C._autograd._get_sequence_nr()))
+
+    def _leave_module(self, module, args, output):
+        name, first = self._stack.pop()
+        # the nodes this forward made (its own operations'; those of inner modules are marked
+        # already): every node reached from the outputs with a sequence number from ``first`` on
+        todo = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        seen = set()
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen or node._sequence_nr() < first:
+                continue
+            seen.add(node)
+            node.metadata.setdefault(_MODULE_KEY, name)
+            todo.extend(n for n, _ in node.next_functions)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = self.bytes_moved
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if not func.is_view:
+            node = torch._C._current_autograd_node()
+            if node is not None:
+                key = (node.metadata.get(_MODULE_KEY, self.OUTSIDE), 'backward')
+            else:
+                key = (self._stack[-1][0] if self._stack else self.OUTSIDE, 'forward')
+            entry = self.by_module.setdefault(key, [0, 0])
+            entry[0] += 1
+            entry[1] += self.bytes_moved - before
+        return out

@@ -2,6 +2,7 @@
 docs/benchmarks.md, measured outside the tests): the straightforward official Pola forward and the
 fast path give equal outputs, the JSON holds medians and peak memory, and the plot is written."""
 import json
+import re
 import runpy
 
 import pytest
@@ -141,6 +142,40 @@ def test_train_mode_counts_operations_on_cpu_and_meta(tmp_path, capsys):
     assert f'memory {mem:.2f}x' in text
     with pytest.raises(SystemExit, match='training steps only'):
         TOOL['main'](['--mode', 'backbone', 'swin-t', '--device', 'meta'])
+
+
+def test_train_mode_operations_by_module(tmp_path, capsys):
+    """``--ops-by-module N``: one more step of each target counted by module class, the N entries
+    with the most operations printed under its row and kept in the JSON file, in order. With N
+    above the number of entries they add up to the step's operations."""
+    js = tmp_path / 'mods.json'
+    TOOL['main'](['--mode', 'train', 'nalaformer-t', '--sizes', '256x384', '--device', 'meta',
+                  '--dtype', 'bf16', '--warmup', '0', '--repeats', '1', '--impls', 'fast',
+                  'triton', '--ops-by-module', '3', '--json', str(tmp_path / 'top.json')])
+    TOOL['main'](['--mode', 'train', 'nalaformer-t', '--sizes', '256x384', '--device', 'meta',
+                  '--dtype', 'bf16', '--warmup', '0', '--repeats', '1', '--impls', 'fast',
+                  'triton', '--ops-by-module', '100', '--json', str(js)])
+    text = capsys.readouterr().out
+    top = {r['impl']: r for r in load(tmp_path / 'top.json')['results']}
+    rows = {r['impl']: r for r in load(js)['results']}
+    assert set(rows) == set(top) == {'fast', 'triton'}
+    for impl, r in rows.items():
+        mods = r['operations_by_module']
+        counts = [m['operations'] for m in mods]
+        assert 10 < len(mods) < 100 and sum(counts) == r['operations']
+        assert counts == sorted(counts, reverse=True)
+        assert top[impl]['operations_by_module'] == mods[:3]
+        assert all(m['phase'] in ('forward', 'backward') for m in mods)
+        for m in mods:
+            assert re.search(rf'^    {re.escape(m["module"])}\s+{m["phase"]}\s+{m["operations"]} ops '
+                             rf'\(\s*[\d.]+%\)\s+[\d.]+ GB$', text, re.M), text
+
+    def nala(r):  # the NaLa mixers' own operations, forward and backward
+        return sum(m['operations'] for m in r['operations_by_module']
+                   if m['module'] == 'NormAwareLinearAttention')
+    assert 0 < nala(rows['triton']) < nala(rows['fast'])
+    with pytest.raises(SystemExit, match='--ops-by-module N'):
+        TOOL['main'](['--mode', 'backbone', 'swin-t', '--ops-by-module', '3'])
 
 
 def test_train_mode_on_meta_under_cudas_autocast(tmp_path):

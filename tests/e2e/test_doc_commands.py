@@ -261,6 +261,10 @@ TABLE = {
     '--sizes 800x1344 --device meta --dtype bf16 --warmup 0 --repeats 1 --impls fast triton '
     '--compare swin-t pola-pvt-t:pvt-t --roofline h200':
         Run('benchmark_bf16_operations', 'as written (meta tensors under CUDA\'s autocast)'),
+    'python tools/benchmark.py --mode train swin-t pola-swin-t nalaformer-t --sizes 800x1344 '
+    '--device meta --dtype bf16 --warmup 0 --repeats 1 --impls triton --ops-by-module 6 '
+    '--compare swin-t':
+        Run('benchmark_ops_by_module', 'as written (meta tensors under CUDA\'s autocast)'),
     'python tools/benchmark.py --mode train pola-swin-t swin-t nalaformer-t nalaformer-t-linear '
     'linattn-swin-t --sizes 800x1344 --batch 1 --threads 1 --warmup 1 --repeats 5 --compare swin-t '
     'pola-swin-t:linattn-swin-t':
@@ -880,6 +884,32 @@ def case_benchmark_bf16_operations(sh, tmp_path):
          ('nalaformer-t', 'fast'), ('nalaformer-t', 'triton'), ('pvt-t', '-'),
          ('pola-pvt-t', 'fast'), ('pola-pvt-t', 'triton')),
         {'pola-swin-t': 0, 'nalaformer-t': 0, 'pola-pvt-t': 5})
+
+
+def case_benchmark_ops_by_module(sh, tmp_path):
+    """The table "Where the operations are": each cell is a line of the command's output (module,
+    phase, operations), each column header the step's total."""
+    cmd = ('python tools/benchmark.py --mode train swin-t pola-swin-t nalaformer-t --sizes '
+           '800x1344 --device meta --dtype bf16 --warmup 0 --repeats 1 --impls triton '
+           '--ops-by-module 6 --compare swin-t')
+    with open(osp.join(REPO, 'docs', 'benchmarks.md'), encoding='utf-8') as f:
+        doc = f.read()
+    table = doc[doc.index('| bf16, batch 1, 800×1344 | Swin-T (stock): '):]
+    table = table[:table.index('\n\n')]
+    out = sh(cmd, doc_argv(cmd))
+    totals = re.findall(r': (\d+) \|', table.splitlines()[0])
+    rows = table.splitlines()[2:]
+    assert len(totals) == 3 and len(rows) == 6, table
+    blocks = re.split(r'^(?=\S)', out, flags=re.M)
+    for col, (name, impl) in enumerate((('swin-t', '-'), ('pola-swin-t', 'triton'),
+                                        ('nalaformer-t', 'triton'))):
+        (block, ) = [b for b in blocks if re.match(rf'{name}\s+{re.escape(impl)}\s+800x1344\s+'
+                                                     rf'{totals[col]} ops', b)]
+        listed = re.findall(r'^    (\S+)\s+(forward|backward)\s+(\d+) ops', block, re.M)
+        cells = [re.fullmatch(r'`(\S+)` (forward|backward): (\d+)',
+                              row.strip().strip('|').split('|')[col + 1].strip()).groups()
+                 for row in rows]
+        assert cells == listed, (name, cells, listed)
 
 
 def case_benchmark_train_backbones(sh, tmp_path):

@@ -13,7 +13,7 @@ from linattn_mm.ops.lean_layers import SplitLinear
 from linattn_mm.ops.nala import RopeTables, apply_rope, nala_attention_fast, rotate_pairs
 from linattn_mm.ops.nala.fast import _rot_rows, rope_fold
 from linattn_mm.ops.pola import polarity_attention_fast
-from linattn_mm.utils import OperationCounter, TrafficCounter
+from linattn_mm.utils import OperationCounter, OperationsByModule, TrafficCounter
 
 META = torch.device('meta')
 
@@ -77,6 +77,88 @@ def test_traffic_counter_counts_a_grouped_convolution_backward_by_its_groups():
     fwd = 2 * 8 * 10 * 12 * 8 * 4
     flops = {r[0]: r[2] for r in t.records if r[2]}
     assert flops == {'convolution': fwd, 'convolution_backward': 2 * fwd}
+
+
+class _Inner(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x).relu() * 2
+
+
+class _Outer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = _Inner(), _Inner()
+
+    def forward(self, x):
+        x = x.exp()  # the outer module's own operations: before and between its children
+        return self.b(self.a(x) + 1)
+
+
+def test_operations_by_module_by_hand():
+    """Forward: each operation for the innermost module running; backward: for the module whose
+    forward made the node (the ops of a node made between two children go to their parent, not
+    to the child after them); the loss and its seed outside. Bytes per entry add up to the
+    total."""
+    model = _Outer().to(META)
+    x = torch.randn(3, 4, device=META, requires_grad=True)
+    with OperationsByModule(model) as ops:
+        model(x).sum().backward()
+    got = {k: v[0] for k, v in ops.by_module.items()}
+    assert got == {
+        ('_Outer', 'forward'): 2,  # exp, add
+        ('_Inner', 'forward'): 4,  # relu, mul (x2)
+        ('Linear', 'forward'): 2,  # addmm (x2)
+        ('(outside)', 'forward'): 2,  # sum, the backward's seed (ones_like)
+        ('Linear', 'backward'): 6,  # input and weight products, bias sum (x2)
+        ('_Inner', 'backward'): 4,  # threshold_backward, mul (x2)
+        ('_Outer', 'backward'): 1,  # exp's: a product with its output
+    }
+    assert sum(got.values()) == ops.total == 21
+    assert sum(v[1] for v in ops.by_module.values()) == ops.bytes_moved
+    # the Linear's bytes forward: (4 + 3*4 + 4*4 + 3*4) float32 elements per addmm
+    assert ops.by_module[('Linear', 'forward')][1] == 2 * (4 + 12 + 16 + 12) * 4
+    # the hooks go with the counter
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_operations_by_module_adds_up_to_a_training_step():
+    """A whole training step of a NaLa block stack under checkpointing: every operation is
+    counted once, the recomputation in the backward as backward (for the block, whose residual
+    sum's node asks for it first)."""
+    from linattn_mm.models.backbones.nalaformer import NaLaBlock
+    block = NaLaBlock(16, 2, dict(type='NormAwareLinearAttention'), drop_path=0.1)
+    x = torch.randn(2, 16, 6, 8, device=META, requires_grad=True)
+    block.to(META).train()
+
+    def step():  # the gradients of the step before cleared: no accumulation
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+        y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        y.square().mean().backward()
+    step()  # the first step makes the RoPE tables the next ones reuse
+    with OperationCounter() as plain:
+        step()
+    with OperationsByModule(block) as ops:
+        step()
+    assert ops.total == plain.total
+    assert sum(v[0] for v in ops.by_module.values()) == ops.total
+    phases = {p for _, p in ops.by_module}
+    assert phases == {'forward', 'backward'}
+    assert ops.by_module[('NormAwareLinearAttention', 'backward')][0] > 0
+    # the recomputed forward: counted forward once, and again in the block's backward
+    with OperationsByModule(block) as eager:
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+        block(x).square().mean().backward()
+    forward = sum(v[0] for (_, p), v in eager.by_module.items() if p == 'forward')
+    extra = ops.by_module[('NaLaBlock', 'backward')][0] - eager.by_module[('NaLaBlock',
+                                                                           'backward')][0]
+    assert ops.total - eager.total == extra == forward - eager.by_module[('(outside)',
+                                                                          'forward')][0]
 
 
 def test_rope_fold_is_the_eight_steps_bit_for_bit_in_three_operations():
