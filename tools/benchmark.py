@@ -831,21 +831,22 @@ def _main(args):
                     variants.append((key, (lambda impl=impl, model=model: set_impl(
                         model, 'fast' if impl == '-' else impl, args.ffn,
                         train=args.mode == 'train')), fn_base))
+            by_module = {}
             try:
                 meas = measure_interleaved(variants, device, args.warmup, args.repeats, ac,
                                            args.count_ops or device.type == 'meta',
                                            args.roofline)
+                if args.ops_by_module is not None:
+                    model_of = {f'{b[0]} | {impl}': b[1] for b in built for impl in b[3]}
+                    for key, act, fn in variants:
+                        by_module[key] = ops_by_module(model_of[key], act, fn,
+                                                       args.ops_by_module)
             except (RuntimeError, MemoryError) as e:  # e.g. out of memory
                 emit(bar, f'{" ".join(b[0] for b in built)} {hw[0]}x{hw[1]}: FAILED '
                      f'{type(e).__name__}: {str(e)[:200]}')
                 if bar is not None:
                     bar.update(len(built))
                 continue
-            by_module = {}
-            if args.ops_by_module is not None:
-                model_of = {f'{b[0]} | {impl}': b[1] for b in built for impl in b[3]}
-                for key, act, fn in variants:
-                    by_module[key] = ops_by_module(model_of[key], act, fn, args.ops_by_module)
             for name, model, call, impls, _, nparams in built:
                 first_out = meas[f'{name} | {impls[0]}'][2]
                 for impl in impls:

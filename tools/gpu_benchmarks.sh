@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU figures of docs/benchmarks.md in one run, on a machine with one CUDA GPU where the
-# plugin and its OpenMMLab stack are installed (the Python given by $PYTHON, default `python`):
+# The CUDA tests and the main GPU figures of docs/benchmarks.md in one run, on a machine with one
+# CUDA GPU where the plugin and its OpenMMLab stack are installed (the Python given by $PYTHON,
+# default `python`):
 #
 #   bash tools/gpu_benchmarks.sh OUT_DIR [PART ...]   # all parts, or the ones named
 #   bash tools/gpu_benchmarks.sh --print [PART ...]   # print the commands, run nothing
@@ -19,11 +20,11 @@
 #                 and NaLaFormer-T configs against the stock Swin-T config
 #
 # Every part runs under its own time limit ($PART_LIMIT seconds, default 900); one that fails or
-# runs out of time is reported at the end and the others still run. The exit status is that of
-# the first part that failed (0 if none).
+# runs out of time is reported at the end and the others still run; Ctrl-C stops the whole run.
+# The exit status is that of the first part that failed (0 if none); 2 for bad arguments or a
+# machine without a GPU.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
 PY="${PYTHON:-python}"
 LIMIT="${PART_LIMIT:-900}"
 ALL=(tests pola_core nala_core train_b8 train_b1 infer_b8 maskrcnn)
@@ -69,8 +70,8 @@ if [ "${1:-}" = "--print" ]; then
     PRINT=1
     OUT='OUT_DIR'
     shift
-elif [ $# -ge 1 ] && [ "${1#-}" = "$1" ]; then
-    OUT="$1"
+elif [ $# -ge 1 ] && [ -n "$1" ] && [ "${1#-}" = "$1" ]; then
+    OUT="$(realpath -m -- "$1")"  # the caller's folder, before the repository root is entered
     shift
 else
     echo "usage: bash tools/gpu_benchmarks.sh OUT_DIR [PART ...] | --print [PART ...]" \
@@ -78,6 +79,12 @@ else
     exit 2
 fi
 [ $# -gt 0 ] || set -- "${ALL[@]}"
+case "$LIMIT" in
+    ''|*[!0-9]*|0)
+        echo "gpu_benchmarks.sh: PART_LIMIT must be a whole number of seconds, got '$LIMIT'" >&2
+        exit 2 ;;
+esac
+cd "$ROOT"
 for part in "$@"; do  # every name checked before anything runs
     part_command "$OUT" "$part" > /dev/null || exit 2
 done
@@ -92,12 +99,17 @@ if [ "$PRINT" = 1 ]; then
     exit 0
 fi
 
+if ! command -v "$PY" > /dev/null; then
+    echo "gpu_benchmarks.sh: no Python '$PY' (set PYTHON to the interpreter with the plugin)" >&2
+    exit 2
+fi
 if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     echo "gpu_benchmarks.sh: $PY sees no CUDA GPU (torch.cuda.is_available() is False)" >&2
     exit 2
 fi
-mkdir -p "$OUT"
-"$PY" - > "$OUT/machine.txt" 2>&1 <<'EOF'
+mkdir -p "$OUT" || exit 2
+trap 'echo "gpu_benchmarks.sh: stopped (Ctrl-C); logs so far in $OUT" >&2; exit 130' INT
+if ! "$PY" - > "$OUT/machine.txt" 2>&1 <<'EOF'
 import platform, torch
 import linattn_mm
 p = torch.cuda.get_device_properties(0)
@@ -110,6 +122,11 @@ try:
 except ImportError:
     print('triton: not installed (the Triton cores fall back to the torch kernels)')
 EOF
+then
+    cat "$OUT/machine.txt" >&2
+    echo "gpu_benchmarks.sh: $PY cannot import linattn_mm or read the GPU (above)" >&2
+    exit 2
+fi
 cat "$OUT/machine.txt"
 
 status=0
@@ -117,11 +134,20 @@ failed=()
 for part in "$@"; do
     mapfile -t cmd < <(part_command "$OUT" "$part")
     echo "[gpu_benchmarks $(date +%T)] $part"
-    timeout "$LIMIT" "${cmd[@]}" > "$OUT/$part.log" 2>&1
+    # in the foreground: Ctrl-C reaches the part (between parts the trap above ends the run); a
+    # part that ignores the end of its time is killed 30 s later
+    timeout --foreground -k 30 "$LIMIT" "${cmd[@]}" > "$OUT/$part.log" 2>&1
     rc=$?
     tail -n 25 "$OUT/$part.log"
+    if [ $rc -eq 130 ]; then  # the part stopped by Ctrl-C (bash runs no trap then)
+        echo "gpu_benchmarks.sh: stopped (Ctrl-C) in $part; logs so far in $OUT" >&2
+        exit 130
+    fi
     if [ $rc -ne 0 ]; then
-        [ $rc -eq 124 ] && why="ran past ${LIMIT} s" || why="exit status $rc"
+        case $rc in
+            124|137) why="ran past ${LIMIT} s" ;;
+            *) why="exit status $rc" ;;
+        esac
         failed+=("$part ($why)")
         [ $status -ne 0 ] || status=$rc
     fi

@@ -153,16 +153,24 @@ class TrafficCounter(OperationCounter):
         return total
 
 
-#: the key under which :class:`OperationsByModule` writes a node's module into its metadata
+#: the key (with the counter's id) under which :class:`OperationsByModule` writes a node's module
+#: into its metadata
 _MODULE_KEY = 'linattn_mm_module'
 
 
 class OperationsByModule(TrafficCounter):
     """A :class:`TrafficCounter` that also tells which module each operation came from: forward
     operations are counted for the innermost module running (its class name), and backward ones
-    for the module whose forward made the autograd node that runs them (a recomputation in the
-    backward, as activation checkpointing makes, for the module whose node asked for it: the
-    recomputed region's last); ``'(outside)'`` where there is none (the loss and its gradient).
+    for the module whose forward made the autograd node that runs them; ``'(outside)'`` where
+    there is none (the loss and its gradient).
+
+    A module's nodes are those reached from the tensors it returns (in tuples, lists or dicts)
+    that its forward made; the nodes of tensors it hands on otherwise (in another object, or kept
+    as an attribute) count for the module whose outputs reach them. A recomputation in the
+    backward (activation checkpointing) counts for the module whose node asked for it (the
+    recomputed region's last); the nodes it makes are not marked, and where they run (a reentrant
+    checkpoint's) they count as ``'(outside)'``. A module whose forward raises is left there:
+    what runs next counts for the modules around it.
 
     Example::
 
@@ -182,11 +190,14 @@ class OperationsByModule(TrafficCounter):
         self.by_module = collections.Counter()
         self._stack = []
         self._handles = []
+        self._key = f'{_MODULE_KEY}_{id(self)}'  # counters nested on parts of one model
 
     def __enter__(self):
         for module in self.model.modules():
             self._handles.append(module.register_forward_pre_hook(self._enter_module))
-            self._handles.append(module.register_forward_hook(self._leave_module))
+            # also when the forward raises (a checkpoint stops its recomputation so)
+            self._handles.append(module.register_forward_hook(self._leave_module,
+                                                              always_call=True))
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -197,13 +208,22 @@ class OperationsByModule(TrafficCounter):
         return super().__exit__(*exc)
 
     def _enter_module(self, module, args):
-        # autograd nodes made from here on get sequence numbers from this one on
-        self._stack.append((type(module).__name__, torch._C._autograd._get_sequence_nr()))
+        # autograd nodes made from here on (in the forward, on this thread) get sequence numbers
+        # from this one on
+        self._stack.append((module, torch._C._autograd._get_sequence_nr()))
 
     def _leave_module(self, module, args, output):
-        name, first = self._stack.pop()
+        while self._stack:  # down to this module's entry (one left by a raise: gone with it)
+            entry, first = self._stack.pop()
+            if entry is module:
+                break
+        else:
+            return
+        if torch._C._current_autograd_node() is not None:
+            return  # a recomputation in the backward (sequence numbers of another thread)
         # the nodes this forward made (its own operations'; those of inner modules are marked
         # already): every node reached from the outputs with a sequence number from ``first`` on
+        name = type(module).__name__
         todo = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
         seen = set()
         while todo:
@@ -211,7 +231,7 @@ class OperationsByModule(TrafficCounter):
             if node is None or node in seen or node._sequence_nr() < first:
                 continue
             seen.add(node)
-            node.metadata.setdefault(_MODULE_KEY, name)
+            node.metadata.setdefault(self._key, name)
             todo.extend(n for n, _ in node.next_functions)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -220,9 +240,10 @@ class OperationsByModule(TrafficCounter):
         if not func.is_view:
             node = torch._C._current_autograd_node()
             if node is not None:
-                key = (node.metadata.get(_MODULE_KEY, self.OUTSIDE), 'backward')
+                key = (node.metadata.get(self._key, self.OUTSIDE), 'backward')
             else:
-                key = (self._stack[-1][0] if self._stack else self.OUTSIDE, 'forward')
+                key = (type(self._stack[-1][0]).__name__ if self._stack else self.OUTSIDE,
+                       'forward')
             entry = self.by_module.setdefault(key, [0, 0])
             entry[0] += 1
             entry[1] += self.bytes_moved - before

@@ -262,7 +262,7 @@ TABLE = {
     '--compare swin-t pola-pvt-t:pvt-t --roofline h200':
         Run('benchmark_bf16_operations', 'as written (meta tensors under CUDA\'s autocast)'),
     'python tools/benchmark.py --mode train swin-t pola-swin-t nalaformer-t --sizes 800x1344 '
-    '--device meta --dtype bf16 --warmup 0 --repeats 1 --impls triton --ops-by-module 6 '
+    '--device meta --dtype bf16 --warmup 0 --repeats 1 --impls triton --ops-by-module 8 '
     '--compare swin-t':
         Run('benchmark_ops_by_module', 'as written (meta tensors under CUDA\'s autocast)'),
     'python tools/benchmark.py --mode train pola-swin-t swin-t nalaformer-t nalaformer-t-linear '
@@ -888,10 +888,11 @@ def case_benchmark_bf16_operations(sh, tmp_path):
 
 def case_benchmark_ops_by_module(sh, tmp_path):
     """The table "Where the operations are": each cell is a line of the command's output (module,
-    phase, operations), each column header the step's total."""
+    phase, operations), each column header the step's total; and the sums of the text below it
+    (NaLaFormer-T's blocks, softmax and NaLa layers, forward and backward; their numbers)."""
     cmd = ('python tools/benchmark.py --mode train swin-t pola-swin-t nalaformer-t --sizes '
            '800x1344 --device meta --dtype bf16 --warmup 0 --repeats 1 --impls triton '
-           '--ops-by-module 6 --compare swin-t')
+           '--ops-by-module 8 --compare swin-t')
     with open(osp.join(REPO, 'docs', 'benchmarks.md'), encoding='utf-8') as f:
         doc = f.read()
     table = doc[doc.index('| bf16, batch 1, 800×1344 | Swin-T (stock): '):]
@@ -899,7 +900,7 @@ def case_benchmark_ops_by_module(sh, tmp_path):
     out = sh(cmd, doc_argv(cmd))
     totals = re.findall(r': (\d+) \|', table.splitlines()[0])
     rows = table.splitlines()[2:]
-    assert len(totals) == 3 and len(rows) == 6, table
+    assert len(totals) == 3 and len(rows) == 8, table
     blocks = re.split(r'^(?=\S)', out, flags=re.M)
     for col, (name, impl) in enumerate((('swin-t', '-'), ('pola-swin-t', 'triton'),
                                         ('nalaformer-t', 'triton'))):
@@ -910,6 +911,21 @@ def case_benchmark_ops_by_module(sh, tmp_path):
                               row.strip().strip('|').split('|')[col + 1].strip()).groups()
                  for row in rows]
         assert cells == listed, (name, cells, listed)
+    nala = {(m, p): int(n) for m, p, n in cells}  # the last column's
+    text = doc[doc.index(table):]
+    text = ' '.join(text[text.index('NaLaFormer-T\'s operations are'):].split('\n\n')[0].split())
+    for module, count, what in (('NaLaBlock', 'twelve', 'blocks'),
+                                ('NaLaSoftmaxAttention', 'eight', 'softmax layers'),
+                                ('NormAwareLinearAttention', 'four', 'NaLa layers')):
+        both = nala[(module, 'forward')] + nala[(module, 'backward')]
+        assert f'{count} {what}' in text and f'{both}' in text, (module, both, text)
+    from linattn_mm.models.attentions.nala import NaLaSoftmaxAttention, NormAwareLinearAttention
+    from linattn_mm.models.backbones.nalaformer import NaLaBlock
+    import runpy
+    tool = runpy.run_path(osp.join(REPO, 'tools', 'benchmark.py'), run_name='linattn_benchmark')
+    model = tool['build_backbone']('nalaformer-t')
+    assert [sum(isinstance(m, c) for m in model.modules()) for c in (
+        NaLaBlock, NaLaSoftmaxAttention, NormAwareLinearAttention)] == [12, 8, 4]
 
 
 def case_benchmark_train_backbones(sh, tmp_path):

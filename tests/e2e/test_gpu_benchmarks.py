@@ -7,8 +7,10 @@ runs, with the reason."""
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -133,3 +135,67 @@ def test_mask_rcnn(tmp_path):
     for ours in ('configs/polaformer/mask-rcnn_pola-swin-t_fpn_1x_coco.py',
                  'configs/nalaformer/mask-rcnn_nalaformer-t_fpn_1x_coco.py'):
         assert re.search(rf'^{re.escape(ours)}\s.*\b[\d.]+x\b', out, re.M), out[-3000:]
+
+
+STAND_IN = '''#!/usr/bin/env bash
+# a stand-in for a Python with a GPU: the checks pass, the parts do what their flags ask
+if [ "$1" = "-c" ]; then exit 0; fi
+if [ "$1" = "-" ]; then cat > /dev/null; echo "stand-in GPU"; exit 0; fi
+case "$*" in
+  *"--attn pola"*) echo "pola part"; exit 3 ;;
+  *"--batch 1 "*) echo "started" > "$STAND_IN_STARTED"; sleep 30; exit 0 ;;
+  *) echo "ran: $*"; exit 0 ;;
+esac
+'''
+
+
+def _stand_in(tmp_path):
+    py = tmp_path / 'python'
+    py.write_text(STAND_IN)
+    py.chmod(0o755)
+    return str(py)
+
+
+def test_run_loop_with_a_stand_in_python(tmp_path):
+    """The parts in order, each with its log; a failed part and one past its limit reported at
+    the end while the others run; the first failure's status; the output folder taken from the
+    caller's directory, not the repository's; bad limits and a missing Python refused."""
+    py, cwd = _stand_in(tmp_path), tmp_path / 'here'
+    cwd.mkdir()
+    res = subprocess.run(['bash', os.path.abspath(SCRIPT), 'out', 'tests', 'pola_core',
+                          'train_b1', 'nala_core'], cwd=cwd, capture_output=True, text=True,
+                         env={**os.environ, 'PYTHON': py, 'PART_LIMIT': '2',
+                              'STAND_IN_STARTED': str(tmp_path / 'started')})
+    out = cwd / 'out'
+    assert res.returncode == 3, res.stdout + res.stderr
+    assert sorted(p.name for p in out.iterdir()) == [
+        'machine.txt', 'nala_core.log', 'pola_core.log', 'tests.log', 'train_b1.log']
+    assert (out / 'machine.txt').read_text() == 'stand-in GPU\n'
+    assert (out / 'nala_core.log').read_text().startswith('ran: tools/benchmark.py --mode core '
+                                                         '--attn nala --backward')
+    assert f'--json {out}/nala_core.json' in (out / 'nala_core.log').read_text()
+    assert res.stdout.splitlines()[-2:] == ['failed: pola_core (exit status 3)',
+                                            'failed: train_b1 (ran past 2 s)']
+    for limit in ('x', '0', '15m'):
+        res = script(str(tmp_path / 'o2'), 'tests', PYTHON=py, PART_LIMIT=limit)
+        assert res.returncode == 2 and 'PART_LIMIT must be a whole number' in res.stderr
+    res = script(str(tmp_path / 'o3'), 'tests', PYTHON=str(tmp_path / 'none'))
+    assert res.returncode == 2 and "no Python '" in res.stderr
+    assert not (tmp_path / 'o2').exists() and not (tmp_path / 'o3').exists()
+
+
+def test_ctrl_c_stops_the_run(tmp_path):
+    py, started = _stand_in(tmp_path), tmp_path / 'started'
+    proc = subprocess.Popen(['bash', SCRIPT, str(tmp_path / 'out'), 'train_b1', 'tests'],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True,
+                            env={**os.environ, 'PYTHON': py, 'STAND_IN_STARTED': str(started)})
+    for _ in range(200):  # the part is running
+        if started.exists():
+            break
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 130, out + err
+    assert err.startswith('gpu_benchmarks.sh: stopped (Ctrl-C)')  # by the part or the trap
+    assert not (tmp_path / 'out' / 'tests.log').exists()

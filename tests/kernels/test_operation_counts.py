@@ -125,6 +125,51 @@ def test_operations_by_module_by_hand():
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
+class _Fallback(torch.nn.Module):
+    """Tries a child that raises, then does the work itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.bad, self.lin = _Raises(), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        try:
+            return self.bad(x)
+        except RuntimeError:
+            return self.lin(x).exp() * 2
+
+
+class _Raises(torch.nn.Module):
+    def forward(self, x):
+        x.sin()
+        raise RuntimeError('no')
+
+
+def test_operations_by_module_after_a_raise_and_in_nested_counters():
+    """A child that raises is left at the raise: the parent's own operations after it count for
+    the parent, forward and backward, and the loss outside. Two counters nested on a model and
+    on one of its parts each count for their own modules."""
+    model = _Fallback().to(META)
+    x = torch.randn(3, 4, device=META, requires_grad=True)
+    with OperationsByModule(model) as ops:
+        model(x).sum().backward()
+    assert {k: v[0] for k, v in ops.by_module.items()} == {
+        ('_Raises', 'forward'): 1,  # sin
+        ('Linear', 'forward'): 1, ('_Fallback', 'forward'): 2,  # exp, mul
+        ('(outside)', 'forward'): 2,  # sum, seed
+        ('_Fallback', 'backward'): 2, ('Linear', 'backward'): 3}
+    outer = _Outer().to(META)
+    x.grad = None  # no accumulation
+    with OperationsByModule(outer) as whole, OperationsByModule(outer.a) as part:
+        outer(x).sum().backward()
+    assert {k: v[0] for k, v in part.by_module.items()} == {
+        ('_Inner', 'forward'): 2, ('Linear', 'forward'): 1, ('_Inner', 'backward'): 2,
+        ('Linear', 'backward'): 3, ('(outside)', 'forward'): 7, ('(outside)', 'backward'): 6}
+    assert whole.by_module[('_Outer', 'forward')][0] == 2
+    assert whole.by_module[('_Inner', 'backward')][0] == 4
+    assert part.total == whole.total == 21
+
+
 def test_operations_by_module_adds_up_to_a_training_step():
     """A whole training step of a NaLa block stack under checkpointing: every operation is
     counted once, the recomputation in the backward as backward (for the block, whose residual
@@ -145,6 +190,11 @@ def test_operations_by_module_adds_up_to_a_training_step():
     with OperationsByModule(block) as ops:
         step()
     assert ops.total == plain.total
+    with OperationsByModule(block) as twice:  # the checkpoint's early stop leaves nothing behind
+        step()
+        step()
+    assert {k: 2 * v[0] for k, v in ops.by_module.items()} == {
+        k: v[0] for k, v in twice.by_module.items()}
     assert sum(v[0] for v in ops.by_module.values()) == ops.total
     phases = {p for _, p in ops.by_module}
     assert phases == {'forward', 'backward'}
