@@ -16,6 +16,7 @@
 #                 and Pola-PVT-T (torch and Triton cores) against the stock Swin-T and PVT-T
 #   train_b1      the same at batch 1
 #   infer_b8      inference at 800×1344, bf16, batch 8: converted (Triton) and unconverted
+#   infer_b1      the same at batch 1
 #   maskrcnn      a Mask R-CNN training iteration, batch 2, 1333×800, float32: the Pola-Swin-T
 #                 and NaLaFormer-T configs against the stock Swin-T config
 #
@@ -27,7 +28,7 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python}"
 LIMIT="${PART_LIMIT:-900}"
-ALL=(tests pola_core nala_core train_b8 train_b1 infer_b8 maskrcnn)
+ALL=(tests pola_core nala_core train_b8 train_b1 infer_b8 infer_b1 maskrcnn)
 STOCK_SWIN_MRCNN='mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'
 BACKBONES=(swin-t pola-swin-t nalaformer-t pvt-t pola-pvt-t)
 GPU=(--device cuda --warmup 3 --repeats 10)
@@ -49,9 +50,9 @@ part_command() {
             printf '%s\n' "$PY" tools/benchmark.py --mode train "${BACKBONES[@]}" "${GPU[@]}" \
                 --dtype bf16 --sizes 800x1344 --batch "${part#train_b}" --impls fast triton \
                 --compare swin-t pola-pvt-t:pvt-t --json "$out/$part.json" ;;
-        infer_b8)
+        infer_b8|infer_b1)
             printf '%s\n' "$PY" tools/benchmark.py --mode backbone "${BACKBONES[@]}" "${GPU[@]}" \
-                --dtype bf16 --sizes 800x1344 --batch 8 --impls fast torch \
+                --dtype bf16 --sizes 800x1344 --batch "${part#infer_b}" --impls fast torch \
                 --compare swin-t pola-pvt-t:pvt-t --json "$out/$part.json" ;;
         maskrcnn)
             printf '%s\n' "$PY" tools/benchmark.py --mode train \

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 SCRIPT = 'tools/gpu_benchmarks.sh'
-PARTS = ['tests', 'pola_core', 'nala_core', 'train_b8', 'train_b1', 'infer_b8', 'maskrcnn']
+PARTS = ['tests', 'pola_core', 'nala_core', 'train_b8', 'train_b1', 'infer_b8', 'infer_b1',
+         'maskrcnn']
 STOCK_MRCNN = 'mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'
 
 
@@ -73,6 +74,10 @@ def test_parts_and_their_commands():
             assert argv[argv.index('--json') + 1] == f'OUT_DIR/{part}.json'
     assert cmds['train_b8'][cmds['train_b8'].index('--batch') + 1] == '8'
     assert cmds['train_b1'][cmds['train_b1'].index('--batch') + 1] == '1'
+    assert cmds['infer_b8'][cmds['infer_b8'].index('--batch') + 1] == '8'
+    assert cmds['infer_b1'][cmds['infer_b1'].index('--batch') + 1] == '1'
+    assert cmds['infer_b1'][:cmds['infer_b1'].index('--batch')] == \
+        cmds['infer_b8'][:cmds['infer_b8'].index('--batch')]
 
 
 def test_bad_part_or_arguments_stop_before_anything_runs(tmp_path):
@@ -108,8 +113,9 @@ def test_training_steps_counted_as_on_a_gpu(part, tmp_path):
                 (name, impl, out[-3000:])
 
 
-def test_inference(tmp_path):
-    out = run(override(printed()['infer_b8'], device='cpu', dtype='fp32', sizes='64x96',
+@pytest.mark.parametrize('part', ['infer_b8', 'infer_b1'])
+def test_inference(part, tmp_path):
+    out = run(override(printed()[part], device='cpu', dtype='fp32', sizes='64x96',
                        batch='1', warmup='0', repeats='1'), tmp_path)
     for base, name in (('swin-t', 'pola-swin-t'), ('swin-t', 'nalaformer-t'),
                        ('pvt-t', 'pola-pvt-t')):
