@@ -79,10 +79,11 @@ or with a mask, ``aten._scaled_dot_product_flash_attention`` in half precision w
 knows their shapes on meta): its decomposition would count the (N, N) attention matrices of the
 global softmax stages.
 
-``--ops-by-module N`` (``--mode train``) counts one more step of each target by module class
-(:class:`~linattn_mm.utils.OperationsByModule`: forward operations for the innermost module
-running, backward ones for the module whose forward made the autograd node) and prints the ``N``
-entries with the most operations under the target's row, with the bytes they move.
+``--ops-by-module N`` (``--mode train``) counts the operations of each target's step (as
+``--count-ops``) also by module class (:class:`~linattn_mm.utils.OperationsByModule`: forward
+operations for the innermost module running, backward ones for the module whose forward made the
+autograd node) and prints the ``N`` entries with the most operations under the target's row, with
+the bytes they move.
 
 ``--compile [BACKEND]`` (``--mode train``, backbones) compiles each backbone with
 ``torch.compile`` (``inductor`` by default) and times its compiled training steps; the warm-up
@@ -477,47 +478,38 @@ _HOPPER_PEAKS = {torch.float32: 67e12, torch.bfloat16: 989e12, torch.float16: 98
 ROOFLINES = {'h100-sxm': (3.35e12, _HOPPER_PEAKS), 'h200': (4.8e12, _HOPPER_PEAKS)}
 
 
-def count_operations(run, roofline=None):
+def count_operations(run, roofline=None, model=None):
     """The ATen operations (views excluded) of one more call of ``run``, the bytes they move and
     their FLOPs (:class:`~linattn_mm.utils.TrafficCounter`), and with ``roofline`` (a key of
-    :data:`ROOFLINES`) the roofline bound of that GPU's time in seconds (else None)."""
-    with TrafficCounter() as ops:
+    :data:`ROOFLINES`) the roofline bound of that GPU's time in seconds (else None). With
+    ``model``, the same call counted by its module classes too (``by_module``:
+    :class:`~linattn_mm.utils.OperationsByModule`)."""
+    with TrafficCounter() if model is None else OperationsByModule(model) as ops:
         out = run()
     del out
     bound = None if roofline is None else ops.roofline_seconds(*ROOFLINES[roofline])
-    return dict(total=ops.total, bytes=ops.bytes_moved, flops=ops.flops, roofline_s=bound)
+    counts = dict(total=ops.total, bytes=ops.bytes_moved, flops=ops.flops, roofline_s=bound)
+    if model is not None:
+        counts['by_module'] = dict(ops.by_module)
+    return counts
 
 
-def ops_by_module(model, activate, run, most):
-    """One more training step (``run``) of ``model`` in the form ``activate`` gives it, counted
-    by module class (:class:`~linattn_mm.utils.OperationsByModule`): the ``most`` entries with
-    the most operations, as ``(module, phase, operations, bytes)``, and the step's total
-    operations."""
-    activate()
-    if hasattr(run, 'clear'):
-        run.clear()
-    with OperationsByModule(model) as ops:
-        out = run()
-    del out
-    top = sorted(ops.by_module.items(), key=lambda kv: (-kv[1][0], kv[0]))[:most]
-    return [(mod, phase, n, nbytes) for (mod, phase), (n, nbytes) in top], ops.total
-
-
-def _emit_by_module(bar, result, counted):
-    """Print the per-module counts of :func:`ops_by_module` under a result's row, and keep them
-    in the result (``operations_by_module``)."""
-    if counted is None:
+def _emit_by_module(bar, result, ops, most):
+    """Print the ``most`` entries of a step's counts by module (``ops['by_module']`` of
+    :func:`count_operations`) with the most operations under the result's row, and keep them in
+    the result (``operations_by_module``)."""
+    if ops is None or 'by_module' not in ops:
         return
-    top, total = counted
+    top = sorted(ops['by_module'].items(), key=lambda kv: (-kv[1][0], kv[0]))[:most]
     result['operations_by_module'] = [dict(module=m, phase=p, operations=n, bytes=b)
-                                      for m, p, n, b in top]
-    for mod, phase, n, nbytes in top:
-        emit(bar, f'    {mod:34s} {phase:8s} {n:6d} ops ({n / max(total, 1):5.1%})  '
+                                      for (m, p), (n, b) in top]
+    for (mod, phase), (n, nbytes) in top:
+        emit(bar, f'    {mod:34s} {phase:8s} {n:6d} ops ({n / max(ops["total"], 1):5.1%})  '
                   f'{nbytes / 1e9:8.2f} GB')
 
 
 def measure_interleaved(variants, device, warmup, repeats, autocast_dtype, count_ops=False,
-                        roofline=None):
+                        roofline=None, models=None):
     """Time several variants of one forward in rounds (A, B, C, A, B, C, ...), so that a change of
     the background load on a shared machine hits all of them alike.
 
@@ -525,6 +517,8 @@ def measure_interleaved(variants, device, warmup, repeats, autocast_dtype, count
         variants (list[tuple[str, callable, callable]]): (name, activate(), forward()).
         count_ops (bool): also count the operations of one more call of each (and the bytes
             they move, their FLOPs and with ``roofline`` its bound: :func:`count_operations`).
+        models (dict, optional): name -> the module whose operations that variant's counted
+            call also counts by module class (``count_ops`` for those variants).
 
     Returns:
         dict: name -> (median s, times, output of the memory run, peak bytes, method, number
@@ -550,7 +544,8 @@ def measure_interleaved(variants, device, warmup, repeats, autocast_dtype, count
     for name, act, run in runs:
         act()
         out, peak, how = peak_memory(run, device)
-        ops = count_operations(run, roofline) if count_ops else None
+        model = (models or {}).get(name)
+        ops = count_operations(run, roofline, model) if count_ops or model is not None else None
         res[name] = (statistics.median(times[name]), times[name], out, peak, how, ops)
     return res
 
@@ -612,10 +607,10 @@ def parse_args(argv=None):
                         'that GPU (every operation at least its bytes over the bandwidth and its '
                         'FLOPs over the peak rate)')
     p.add_argument('--ops-by-module', type=int, default=None, metavar='N',
-                   help='--mode train: also count one more step of each target by module class '
-                        '(forward: the innermost module running; backward: the module whose '
-                        'forward made the autograd node), the N with the most operations '
-                        'printed, with the bytes they move')
+                   help='--mode train: count the operations of each target (as --count-ops) '
+                        'also by module class (forward: the innermost module running; '
+                        'backward: the module whose forward made the autograd node), the N with '
+                        'the most operations printed, with the bytes they move')
     p.add_argument('--compile', nargs='?', const='inductor', default=None, metavar='BACKEND',
                    help='--mode train, backbones: torch.compile each backbone (backend inductor, '
                         'or the one named) and time its compiled steps; the warm-up steps '
@@ -831,16 +826,13 @@ def _main(args):
                     variants.append((key, (lambda impl=impl, model=model: set_impl(
                         model, 'fast' if impl == '-' else impl, args.ffn,
                         train=args.mode == 'train')), fn_base))
-            by_module = {}
+            # --ops-by-module: the counted step of each variant, by the modules of its model
+            models = None if args.ops_by_module is None else {
+                f'{b[0]} | {impl}': b[1] for b in built for impl in b[3]}
             try:
                 meas = measure_interleaved(variants, device, args.warmup, args.repeats, ac,
                                            args.count_ops or device.type == 'meta',
-                                           args.roofline)
-                if args.ops_by_module is not None:
-                    model_of = {f'{b[0]} | {impl}': b[1] for b in built for impl in b[3]}
-                    for key, act, fn in variants:
-                        by_module[key] = ops_by_module(model_of[key], act, fn,
-                                                       args.ops_by_module)
+                                           args.roofline, models)
             except (RuntimeError, MemoryError) as e:  # e.g. out of memory
                 emit(bar, f'{" ".join(b[0] for b in built)} {hw[0]}x{hw[1]}: FAILED '
                      f'{type(e).__name__}: {str(e)[:200]}')
@@ -883,13 +875,13 @@ def _main(args):
                     if device.type == 'meta':  # no time: operations and memory
                         emit(bar, f'{name:28s} {impl:9s} {hw[0]:5d}x{hw[1]:<5d} '
                              f'{ops["total"]:6d} ops  peak {peak / 2**20:9.1f} MB{traffic}')
-                        _emit_by_module(bar, r, by_module.get(f'{name} | {impl}'))
+                        _emit_by_module(bar, r, ops, args.ops_by_module)
                         del out
                         continue
                     emit(bar, f'{name:28s} {impl:9s} {hw[0]:5d}x{hw[1]:<5d} {med * 1e3:10.1f} ms '
                          f'(min {min(times) * 1e3:.1f}) {args.batch / med:9.2f} img/s  '
                          f'peak {peak / 2**20:9.1f} MB{extra}')
-                    _emit_by_module(bar, r, by_module.get(f'{name} | {impl}'))
+                    _emit_by_module(bar, r, ops, args.ops_by_module)
                     del out
                 del first_out
             del meas, variants

@@ -140,7 +140,7 @@ for part in "$@"; do
     timeout --foreground -k 30 "$LIMIT" "${cmd[@]}" > "$OUT/$part.log" 2>&1
     rc=$?
     tail -n 25 "$OUT/$part.log"
-    if [ $rc -eq 130 ]; then  # the part stopped by Ctrl-C (bash runs no trap then)
+    if [ $rc -eq 130 ]; then  # the part stopped by Ctrl-C (where bash did not run the trap)
         echo "gpu_benchmarks.sh: stopped (Ctrl-C) in $part; logs so far in $OUT" >&2
         exit 130
     fi
