@@ -183,7 +183,7 @@ def train_vs_reference(net, mixer_cls, *inputs, core='triton'):
         if weights is None:
             g = torch.Generator().manual_seed(0)
             weights = [torch.randn(o.shape, generator=g) for o in outs]
-        loss = sum((o * w.to(cast)).sum() for o, w in zip(outs, weights))
+        loss = sum((o * w.to(o.device, cast)).sum() for o, w in zip(outs, weights))
         loss.backward()
         errs.append((outs, x.grad, {k: p.grad for k, p in model.named_parameters()
                                     if p.grad is not None}))

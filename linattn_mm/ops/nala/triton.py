@@ -308,6 +308,17 @@ if triton is not None:
 
 
 
+def _launch_options(sin, DP, backward=False):
+    """Warps and pipeline stages of a launch. With the RoPE a program holds four (DP x DP) float32
+    accumulators: at DP >= 64 (NaLaFormer-T's stages 1-2) they are spread over 8 warps, and the
+    two gradient passes pipeline their loads over 2 stages instead of 3, since three stages of
+    their tiles need more shared memory than a Hopper multiprocessor has (the query gradients at
+    DP = 64: about 280 KB, against 227 KB; 215 KB with 2 stages, compiled for sm_90)."""
+    if sin is None or DP < 64:
+        return {'num_warps': 4}
+    return {'num_warps': 8, 'num_stages': 2} if backward else {'num_warps': 8}
+
+
 # ------------------------------------------------------------------------------------------------
 # The four launches as operators (``torch.ops.linattn_mm.nala_triton_*``, as Pola's): one
 # operation each, with fake forms for ``meta`` tensors.
@@ -341,9 +352,7 @@ def _keys_op(k: torch.Tensor, v: torch.Tensor, sin: Optional[torch.Tensor],
     _nala_keys_kernel[(B * h, acc.shape[1])](
         k, v, sin_t, cos_t, acc, ks, n, h, chunk, lam, *k.stride(), *v.stride(), *rs,
         D=d, DP=DP, BLOCK_N=block_n, HAS_ROPE=sin is not None, CUBE=lam == 3.0,
-        # four (DP x DP) float32 accumulators with the RoPE: spread them over more threads for
-        # NaLaFormer's d = 64 (a register-pressure choice, not yet timed on a GPU)
-        num_warps=8 if sin is not None and DP >= 64 else 4)
+        **_launch_options(sin, DP))
     return acc, ks
 
 
@@ -396,7 +405,7 @@ def _query_grads_op(q: torch.Tensor, grad: torch.Tensor, w: torch.Tensor, km: to
     _nala_query_grad_kernel[(B * h, dw.shape[1])](
         q, grad, w, km, sin_t, cos_t, dq_t, dw, dkm, N, h, chunk, lam, eps, *q.stride(),
         *grad.stride(), *dq_t.stride(), *rs, D=d, DP=DP, BLOCK_M=block_m,
-        HAS_ROPE=sin is not None, num_warps=8 if sin is not None and DP >= 64 else 4)
+        HAS_ROPE=sin is not None, **_launch_options(sin, DP, backward=True))
     return dq, dw, dkm
 
 
@@ -430,7 +439,7 @@ def _key_grads_op(k: torch.Tensor, v: torch.Tensor, sin: Optional[torch.Tensor],
         k, v, sin_t, cos_t, c, dks, dk, dv, n, h, chunk, lam, *k.stride(), *v.stride(),
         *dk_t.stride(), *dv_t.stride(), *rs, D=d, DP=DP, BLOCK_N=block_n,
         HAS_ROPE=sin is not None, CUBE=lam == 3.0, WANT_DK=want_dk, WANT_DV=want_dv,
-        num_warps=8 if sin is not None and DP >= 64 else 4)
+        **_launch_options(sin, DP, backward=True))
     return dk, dv
 
 
