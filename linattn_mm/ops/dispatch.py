@@ -14,7 +14,7 @@ import warnings
 import torch
 
 __all__ = ['CORES', 'check_core', 'TRITON_DTYPES', 'triton_module', 'triton_available',
-           'TRITON_FAILURES', 'note_triton_failure']
+           'TRITON_FAILURES', 'note_triton_failure', 'launch_fitted', 'shared_memory_limit']
 
 #: the names of the attention cores of the linear families
 CORES = ('reference', 'fast', 'triton')
@@ -67,3 +67,54 @@ def note_triton_failure(owner, exc):
     warnings.warn(f'{owner}: the Triton kernel failed ({TRITON_FAILURES[-1][:500]}); the torch '
                   f"kernel runs instead from now on (core='triton' on the module raises the "
                   f'error)', stacklevel=3)
+
+
+#: pipeline stages chosen by :func:`launch_fitted`, per kernel, launch options, argument dtypes and
+#: device
+_FITTED_STAGES = {}
+
+
+def shared_memory_limit(device):
+    """Bytes of shared memory one program (thread block) may use on the CUDA ``device``."""
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+
+
+def _stage_limit(device):
+    """The shared memory per program that :func:`launch_fitted` fits the stages to on ``device``;
+    None (launch as asked) off CUDA and under Triton's interpreter."""
+    if _interpreting() or device.type != 'cuda':
+        return None
+    return shared_memory_limit(device)
+
+
+def launch_fitted(kernel, grid, *args, num_stages=3, **kwargs):
+    """``kernel[grid](*args, **kwargs)`` with the most software-pipeline stages, from
+    ``num_stages`` down to 1, whose compiled kernel fits the shared memory of the device of the
+    first tensor argument (:func:`shared_memory_limit`).
+
+    A kernel's shared memory grows with its stages and tiles and the limit differs between GPUs
+    (227 KB per block on Hopper, 163 KB on the A100, 99 KB on most other recent cards), so one fixed
+    choice either leaves Hopper's pipelining unused or does not launch elsewhere. The choice is
+    made once per kernel, options, argument dtypes and device by compiling (not launching) each
+    candidate; a kernel that does not fit with one stage raises a ``RuntimeError`` that names it,
+    its shared memory and the device's. Under Triton's interpreter the kernel runs as asked."""
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    limit = _stage_limit(device)
+    if limit is None:
+        return kernel[grid](*args, num_stages=num_stages, **kwargs)
+    key = (kernel, tuple(sorted(kwargs.items())), num_stages, device,
+           tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+    stages = _FITTED_STAGES.get(key)
+    if stages is None:
+        for stages in range(num_stages, 0, -1):
+            shared = kernel.warmup(*args, grid=grid, num_stages=stages, **kwargs).metadata.shared
+            if shared <= limit:
+                break
+        else:
+            name = getattr(getattr(kernel, 'fn', None), '__name__', repr(kernel))
+            raise RuntimeError(
+                f'{name}: needs {shared} bytes of shared memory per program with one pipeline '
+                f"stage, and {device} allows {limit}; use the torch core (core='fast') on this "
+                f'GPU')
+        _FITTED_STAGES[key] = stages
+    return kernel[grid](*args, num_stages=stages, **kwargs)

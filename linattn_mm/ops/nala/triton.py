@@ -47,6 +47,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..common import kept_input
+from ..dispatch import launch_fitted
 from ..pola.triton import (_LIB, _padded, _partials, _split, check_qkv, register_dot_flops,
                           triton)
 from .fast import _rot_rows
@@ -308,15 +309,12 @@ if triton is not None:
 
 
 
-def _launch_options(sin, DP, backward=False):
-    """Warps and pipeline stages of a launch. With the RoPE a program holds four (DP x DP) float32
-    accumulators: at DP >= 64 (NaLaFormer-T's stages 1-2) they are spread over 8 warps, and the
-    two gradient passes pipeline their loads over 2 stages instead of 3, since three stages of
-    their tiles need more shared memory than a Hopper multiprocessor has (the query gradients at
-    DP = 64: about 280 KB, against 227 KB; 215 KB with 2 stages, compiled for sm_90)."""
-    if sin is None or DP < 64:
-        return {'num_warps': 4}
-    return {'num_warps': 8, 'num_stages': 2} if backward else {'num_warps': 8}
+def _launch_options(sin, DP):
+    """Warps of a launch: with the RoPE a program holds four (DP x DP) float32 accumulators, spread
+    over 8 warps at DP >= 64 (NaLaFormer-T's stages 1-2). The pipeline stages are fitted to the
+    device's shared memory by :func:`~linattn_mm.ops.dispatch.launch_fitted` (three stages of the
+    query gradients' tiles at DP = 64 need about 280 KB, over Hopper's 227 KB per block)."""
+    return {'num_warps': 8 if sin is not None and DP >= 64 else 4}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -349,7 +347,7 @@ def _keys_op(k: torch.Tensor, v: torch.Tensor, sin: Optional[torch.Tensor],
     (acc, ks), chunk = _keys_outputs(k, block_n)
     sin_t, cos_t, rs = _rope_args(sin, cos, k)
     DP = _padded(d)
-    _nala_keys_kernel[(B * h, acc.shape[1])](
+    launch_fitted(_nala_keys_kernel, (B * h, acc.shape[1]),
         k, v, sin_t, cos_t, acc, ks, n, h, chunk, lam, *k.stride(), *v.stride(), *rs,
         D=d, DP=DP, BLOCK_N=block_n, HAS_ROPE=sin is not None, CUBE=lam == 3.0,
         **_launch_options(sin, DP))
@@ -369,7 +367,7 @@ def _queries_op(q: torch.Tensor, w: torch.Tensor, km: torch.Tensor, sin: Optiona
     B, h, N, d = q.shape
     out = q.new_empty(B, N, h, d, dtype=out_dtype)
     sin_t, cos_t, rs = _rope_args(sin, cos, q)
-    _nala_queries_kernel[(B * h, triton.cdiv(N, block_m))](
+    launch_fitted(_nala_queries_kernel, (B * h, triton.cdiv(N, block_m)),
         q, w, km, sin_t, cos_t, out, N, h, lam, eps, *q.stride(), *out.stride(), *rs,
         D=d, DP=_padded(d), BLOCK_M=block_m, HAS_ROPE=sin is not None)
     return out
@@ -402,10 +400,10 @@ def _query_grads_op(q: torch.Tensor, grad: torch.Tensor, w: torch.Tensor, km: to
     dq_t = dq.transpose(1, 2)
     sin_t, cos_t, rs = _rope_args(sin, cos, q)
     DP = _padded(d)
-    _nala_query_grad_kernel[(B * h, dw.shape[1])](
+    launch_fitted(_nala_query_grad_kernel, (B * h, dw.shape[1]),
         q, grad, w, km, sin_t, cos_t, dq_t, dw, dkm, N, h, chunk, lam, eps, *q.stride(),
         *grad.stride(), *dq_t.stride(), *rs, D=d, DP=DP, BLOCK_M=block_m,
-        HAS_ROPE=sin is not None, **_launch_options(sin, DP, backward=True))
+        HAS_ROPE=sin is not None, **_launch_options(sin, DP))
     return dq, dw, dkm
 
 
@@ -435,11 +433,11 @@ def _key_grads_op(k: torch.Tensor, v: torch.Tensor, sin: Optional[torch.Tensor],
     sin_t, cos_t, rs = _rope_args(sin, cos, k)
     splits, chunk = _split(n, B * h, block_n, k.device)
     DP = _padded(d)
-    _nala_key_grad_kernel[(B * h, splits)](
+    launch_fitted(_nala_key_grad_kernel, (B * h, splits),
         k, v, sin_t, cos_t, c, dks, dk, dv, n, h, chunk, lam, *k.stride(), *v.stride(),
         *dk_t.stride(), *dv_t.stride(), *rs, D=d, DP=DP, BLOCK_N=block_n,
         HAS_ROPE=sin is not None, CUBE=lam == 3.0, WANT_DK=want_dk, WANT_DV=want_dv,
-        **_launch_options(sin, DP, backward=True))
+        **_launch_options(sin, DP))
     return dk, dv
 
 

@@ -48,7 +48,7 @@ from typing import Optional, Tuple
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
-from ..dispatch import TRITON_DTYPES, triton_available, triton_module
+from ..dispatch import TRITON_DTYPES, launch_fitted, triton_available, triton_module
 
 triton = triton_module()  # Triton ships with the CUDA builds of torch; the torch cores never need it
 if triton is not None:
@@ -370,7 +370,7 @@ def _keys_op(k: torch.Tensor, v: torch.Tensor, pe: Optional[torch.Tensor], p: to
     B, h, n, d = k.shape
     (kv, ks), chunk = _keys_outputs(k, block_n)
     pe_t = k if pe is None else pe
-    _pola_keys_kernel[(B * h, kv.shape[1])](
+    launch_fitted(_pola_keys_kernel, (B * h, kv.shape[1]),
         k, v, pe_t, p, p if inv_s is None else inv_s, kv, ks, n, h, chunk, *k.stride(),
         *v.stride(), *pe_t.stride(), D=d, DP=_padded(d), BLOCK_N=block_n,
         HAS_PE=pe is not None, HAS_SCALE=inv_s is not None)
@@ -389,7 +389,7 @@ def _queries_op(q: torch.Tensor, w: torch.Tensor, ks: torch.Tensor, p: torch.Ten
     """Pass 2: the normalised output, a (B, N, h, d) buffer."""
     B, h, N, d = q.shape
     out = q.new_empty(B, N, h, d, dtype=out_dtype)
-    _pola_queries_kernel[(B * h, triton.cdiv(N, block_m))](
+    launch_fitted(_pola_queries_kernel, (B * h, triton.cdiv(N, block_m)),
         q, w, ks, p, p if inv_s is None else inv_s, out, N, h, eps, *q.stride(), *out.stride(),
         D=d, D_SAME=(d + 1) // 2, DP=_padded(d), BLOCK_M=block_m, HAS_SCALE=inv_s is not None)
     return out
@@ -422,7 +422,7 @@ def _query_grads_op(q: torch.Tensor, grad: torch.Tensor, w: torch.Tensor, ks: to
     B, h, N, d = q.shape
     (dq, dw, dm, d_inv, d_pow), chunk = _query_grad_outputs(q, block_m)
     dq_t = dq.transpose(1, 2)
-    _pola_query_grad_kernel[(B * h, dw.shape[1])](
+    launch_fitted(_pola_query_grad_kernel, (B * h, dw.shape[1]),
         q, grad, w, ks, p, p if inv_s is None else inv_s, dq_t, dw, dm, d_inv, d_pow, N, h,
         chunk, eps, *q.stride(), *grad.stride(), *dq_t.stride(),
         D=d, D_SAME=(d + 1) // 2, DP=_padded(d), BLOCK_M=block_m, HAS_SCALE=inv_s is not None)
@@ -459,7 +459,7 @@ def _key_grads_op(k: torch.Tensor, v: torch.Tensor, pe: Optional[torch.Tensor], 
     dk_t = dk.transpose(1, 2) if want_dk else k
     dv_t = dv.transpose(1, 2) if want_dv else v
     pe_t = k if pe is None else pe
-    _pola_key_grad_kernel[(B * h, d_inv.shape[1])](
+    launch_fitted(_pola_key_grad_kernel, (B * h, d_inv.shape[1]),
         k, v, pe_t, p, p if inv_s is None else inv_s, dkv, dm, dk, dv, d_inv, d_pow, n, h, chunk,
         *k.stride(), *v.stride(), *pe_t.stride(), *dk_t.stride(), *dv_t.stride(),
         D=d, DP=_padded(d), BLOCK_N=block_n, HAS_PE=pe is not None,

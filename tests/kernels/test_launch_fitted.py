@@ -1,0 +1,78 @@
+"""launch_fitted's choice of pipeline stages, with a stand-in kernel whose compiled shared memory
+is known (the Triton kernels themselves: tests/kernels/test_triton_build.py)."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from linattn_mm.ops import dispatch
+
+
+class StandInKernel:
+    """``kernel[grid](*args, **kw)`` and ``kernel.warmup(...)`` as a Triton JIT function has them;
+    shared memory = ``per_stage`` bytes per pipeline stage."""
+
+    def __init__(self, per_stage):
+        self.per_stage, self.compiled, self.launched = per_stage, [], []
+        self.fn = SimpleNamespace(__name__='_stand_in_kernel')
+
+    def warmup(self, *args, grid, num_stages, **kwargs):
+        self.compiled.append(num_stages)
+        return SimpleNamespace(metadata=SimpleNamespace(shared=self.per_stage * num_stages))
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launched.append((grid, args, kwargs))
+        return launch
+
+
+@pytest.fixture
+def device_with(monkeypatch):
+    """Make launch_fitted see a GPU with the given shared memory per program."""
+    monkeypatch.setattr(dispatch, '_FITTED_STAGES', {})
+
+    def set_limit(limit):
+        monkeypatch.setattr(dispatch, '_stage_limit', lambda device: limit)
+    return set_limit
+
+
+def test_the_most_stages_that_fit_chosen_once(device_with):
+    device_with(100_000)
+    kernel = StandInKernel(40_000)  # 3 stages: 120 000 B, 2: 80 000 B
+    x = torch.zeros(4)
+    dispatch.launch_fitted(kernel, (2, 3), x, 7, D=32, num_warps=4)
+    dispatch.launch_fitted(kernel, (2, 3), x, 9, D=32, num_warps=4)
+    assert kernel.compiled == [3, 2]  # compiled to choose, once for these options and dtypes
+    assert [launch[2] for launch in kernel.launched] == [dict(D=32, num_warps=4, num_stages=2)] * 2
+    assert kernel.launched[1][:2] == ((2, 3), (x, 9))
+    # other constexprs or dtypes are another kernel: chosen again
+    dispatch.launch_fitted(kernel, (2, 3), x.double(), 7, D=32, num_warps=4)
+    dispatch.launch_fitted(kernel, (2, 3), x, 7, D=64, num_warps=4)
+    assert kernel.compiled == [3, 2, 3, 2, 3, 2]
+
+
+def test_a_fitting_kernel_keeps_its_stages(device_with):
+    device_with(227 * 1024)
+    kernel = StandInKernel(40_000)
+    dispatch.launch_fitted(kernel, (1,), torch.zeros(1), num_stages=4)
+    assert kernel.compiled == [4] and kernel.launched[0][2] == dict(num_stages=4)
+
+
+def test_a_kernel_too_large_for_one_stage_is_named(device_with):
+    device_with(99 * 1024)
+    kernel = StandInKernel(150_000)
+    with pytest.raises(RuntimeError, match=r"_stand_in_kernel: needs 150000 bytes of shared memory "
+                                           r"per program with one pipeline stage, and cpu allows "
+                                           r"101376; use the torch core \(core='fast'\)"):
+        dispatch.launch_fitted(kernel, (1,), torch.zeros(1))
+    assert kernel.compiled == [3, 2, 1] and kernel.launched == []
+
+
+def test_off_cuda_and_interpreted_launches_as_asked(monkeypatch):
+    # CPU tensors without the interpreter never reach a launch in the cores (their device check
+    # comes first); under the interpreter the kernel runs with the stages asked, nothing compiled
+    monkeypatch.setattr(dispatch, '_interpreting', lambda: True)
+    kernel = StandInKernel(10 ** 9)
+    dispatch.launch_fitted(kernel, (1,), torch.zeros(1), num_stages=2, D=16)
+    assert kernel.compiled == [] and kernel.launched[0][2] == dict(num_stages=2, D=16)
+    assert dispatch._stage_limit(torch.device('cpu')) is None

@@ -1,0 +1,102 @@
+"""Compile the Triton kernels of the Pola and NaLa cores for a CUDA architecture, without a GPU.
+
+Run as a script (by ``tests/kernels/test_triton_build.py``, in a subprocess): ``ARCH LIMIT``, a
+compute capability (90, 80, 86) and the shared memory per program of such a GPU in bytes. Triton's
+active driver is replaced by one that names that GPU as its target and launches nothing, so every
+kernel goes through Triton's real compiler and ``ptxas`` for it; :func:`launch_fitted` fits the
+pipeline stages to ``LIMIT`` as on that GPU. Each core runs forward and backward on CPU tensors of
+several head dims, dtypes and options (nothing is computed: the outputs are empty buffers). Prints
+a JSON list, one entry per kernel launched: ``[case, kernel, stages, shared bytes]``, or
+``[case, 'error', message]`` for a case that raised.
+"""
+import json
+import sys
+
+import torch
+
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+except ImportError as e:  # pragma: no cover - depends on the Triton version
+    print(json.dumps({'unsupported': f'this Triton has no {e.name}'}))
+    sys.exit(0)
+
+ARCH, LIMIT = int(sys.argv[1]), int(sys.argv[2])
+
+
+class CompileOnlyDriver:
+    """Triton's driver for a GPU of compute capability ARCH that is not there."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget('cuda', ARCH, 64 if ARCH >= 90 else 32)
+
+    def get_active_torch_device(self):
+        return torch.device('cpu')
+
+
+LAUNCHED = []
+_run = JITFunction.run
+
+
+def _compile_only(self, *args, grid, warmup, **kwargs):
+    """Compile as the launch would; record a launch (not the stage fitting's compilations)."""
+    kernel = _run(self, *args, grid=grid, warmup=True, **kwargs)
+    if not warmup:
+        LAUNCHED.append((self.fn.__name__, kwargs.get('num_stages'), kernel.metadata.shared))
+    return kernel
+
+
+def main():
+    driver.set_active(CompileOnlyDriver())
+    JITFunction.run = _compile_only
+    import linattn_mm.ops.dispatch as dispatch
+    dispatch._interpreting = lambda: True  # the cores' device checks accept CPU tensors
+    dispatch._stage_limit = lambda device: LIMIT
+    from linattn_mm.ops.nala.triton import nala_attention_triton
+    from linattn_mm.ops.pola.triton import polarity_attention_triton
+
+    def qkv(d, dtype, B=2, h=2, N=77):
+        return [torch.randn(B, h, N, d, dtype=dtype, requires_grad=True) for _ in range(3)]
+
+    def pola(d, dtype, extras):
+        q, k, v = qkv(d, dtype)
+        kw = dict(temperature=torch.ones(1, 2, 1, 1, requires_grad=True)) if extras else {}
+        if extras:
+            kw['k_bias'] = torch.randn(1, 2, 77, d, requires_grad=True)
+        p = torch.full((1, 2, 1, d), 3.0, requires_grad=True)
+        return polarity_attention_triton(q, k, v, p, **kw)
+
+    def nala(d, dtype, rope):
+        q, k, v = qkv(d, dtype)
+        kw = {}
+        if rope:
+            angle = torch.randn(77, d // 2).repeat_interleave(2, -1)
+            kw = dict(sin=angle.sin(), cos=angle.cos())
+        return nala_attention_triton(q, k, v, **kw)
+
+    cases = {}
+    for d in (12, 32, 64):
+        cases[f'pola d{d} fp32 pe+temperature'] = (pola, d, torch.float32, True)
+        cases[f'nala d{d} fp32 rope'] = (nala, d, torch.float32, True)
+    cases['pola d64 bf16'] = (pola, 64, torch.bfloat16, False)
+    cases['nala d64 fp16'] = (nala, 64, torch.float16, False)
+    results = []
+    for case, (fn, d, dtype, flag) in cases.items():
+        del LAUNCHED[:]
+        try:
+            fn(d, dtype, flag).float().sum().backward()
+        except RuntimeError as e:
+            results.append([case, 'error', str(e)])
+        results += [[case, *launch] for launch in LAUNCHED]
+    print(json.dumps(results))
+
+
+if __name__ == '__main__':
+    main()
