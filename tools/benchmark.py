@@ -110,6 +110,7 @@ import math
 import os
 import os.path as osp
 import statistics
+import sys
 import time
 import types
 
@@ -509,7 +510,7 @@ def _emit_by_module(bar, result, ops, most):
 
 
 def measure_interleaved(variants, device, warmup, repeats, autocast_dtype, count_ops=False,
-                        roofline=None, models=None):
+                        roofline=None, models=None, note=None):
     """Time several variants of one forward in rounds (A, B, C, A, B, C, ...), so that a change of
     the background load on a shared machine hits all of them alike.
 
@@ -519,6 +520,8 @@ def measure_interleaved(variants, device, warmup, repeats, autocast_dtype, count
             they move, their FLOPs and with ``roofline`` its bound: :func:`count_operations`).
         models (dict, optional): name -> the module whose operations that variant's counted
             call also counts by module class (``count_ops`` for those variants).
+        note (callable, optional): called with a line after each variant's warm-up, the timed
+            rounds and each variant's memory run (``--log-progress``).
 
     Returns:
         dict: name -> (median s, times, output of the memory run, peak bytes, method, number
@@ -526,11 +529,14 @@ def measure_interleaved(variants, device, warmup, repeats, autocast_dtype, count
     """
     runs = [(name, act, fn if getattr(fn, 'train', False) else _runner(fn, device, autocast_dtype))
             for name, act, fn in variants]
-    for _, act, run in runs:
+    note = note or (lambda line: None)
+    for name, act, run in runs:
+        t0 = time.perf_counter()
         act()
         for _ in range(warmup):
             run()
-    _sync(device)
+        _sync(device)
+        note(f'warm-up of {name}: {time.perf_counter() - t0:.1f} s')
     times = {name: [] for name, _, _ in runs}
     for _ in range(repeats):
         for name, act, run in runs:
@@ -540,6 +546,7 @@ def measure_interleaved(variants, device, warmup, repeats, autocast_dtype, count
             _sync(device)
             times[name].append(time.perf_counter() - t0)
             del out
+    note(f'{repeats} timed rounds')
     res = {}
     for name, act, run in runs:
         act()
@@ -547,6 +554,7 @@ def measure_interleaved(variants, device, warmup, repeats, autocast_dtype, count
         model = (models or {}).get(name)
         ops = count_operations(run, roofline, model) if count_ops or model is not None else None
         res[name] = (statistics.median(times[name]), times[name], out, peak, how, ops)
+        note(f'memory run of {name}')
     return res
 
 
@@ -597,6 +605,10 @@ def parse_args(argv=None):
     p.add_argument('--peak-bw', type=float, help='--mode core: device peak bandwidth, GB/s')
     p.add_argument('--backward', action='store_true',
                    help='--mode core: time the forward and the backward of the core')
+    p.add_argument('--log-progress', action='store_true',
+                   help='write each build, warm-up and round of measurements to stderr as a '
+                   'line with the seconds since the start (logs of runs under a time limit: '
+                   'one stopped shows how far it came)')
     p.add_argument('--count-ops', action='store_true',
                    help='also count the ATen operations (views excluded) of one more step of '
                         'each target; with --device meta always, next to the peak of live '
@@ -680,7 +692,18 @@ def main(argv=None):
         return _main(args)
 
 
+def _progress_note(args):
+    """``--log-progress``: a function that writes ``# progress T s: LINE`` to stderr, T the
+    seconds since it was made; else one that does nothing."""
+    if not args.log_progress:
+        return lambda line: None
+    start = time.perf_counter()
+    return lambda line: print(f'# progress {time.perf_counter() - start:.1f} s: {line}',
+                              file=sys.stderr, flush=True)
+
+
 def _main(args):
+    note = _progress_note(args)
     if args.list:
         for k, (_, desc) in BACKBONES.items():
             print(f'{k:22s} {desc}')
@@ -805,7 +828,9 @@ def _main(args):
         for name, build, call in group:
             if bar is not None:
                 bar.set_postfix_str(f'building {name}')
+            t0 = time.perf_counter()
             model = build().to(device)
+            note(f'built {name} in {time.perf_counter() - t0:.1f} s')
             # (some mmdet backbones' train() returns None: no chaining)
             model.train() if args.mode == 'train' else model.eval()
             _randomise_pola(model, args.seed)
@@ -832,7 +857,7 @@ def _main(args):
             try:
                 meas = measure_interleaved(variants, device, args.warmup, args.repeats, ac,
                                            args.count_ops or device.type == 'meta',
-                                           args.roofline, models)
+                                           args.roofline, models, note)
             except (RuntimeError, MemoryError) as e:  # e.g. out of memory
                 emit(bar, f'{" ".join(b[0] for b in built)} {hw[0]}x{hw[1]}: FAILED '
                      f'{type(e).__name__}: {str(e)[:200]}')
@@ -1067,7 +1092,8 @@ def run_core(args, device):
                 t.requires_grad_()
             fns = [_core_step(fn, leaves, args.seed) for fn in fns]
         variants = [(impl, lambda: None, fn) for impl, fn in zip(impls, fns)]
-        meas = measure_interleaved(variants, device, args.warmup, args.repeats, None)
+        meas = measure_interleaved(variants, device, args.warmup, args.repeats, None,
+                                   note=_progress_note(args))
         first = meas[impls[0]][2]
         for impl in impls:
             med, times, out, peak, how, _ = meas[impl]

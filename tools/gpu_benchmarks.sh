@@ -18,7 +18,7 @@
 #   infer_b8      inference at 800×1344, bf16, batch 8: converted (Triton) and unconverted
 #   infer_b1      the same at batch 1
 #   maskrcnn      a Mask R-CNN training iteration, batch 2, 1333×800, float32: the Pola-Swin-T
-#                 and NaLaFormer-T configs against the stock Swin-T config
+#                 and NaLaFormer-T configs (torch and Triton cores) against the stock Swin-T config
 #
 # Every part runs under its own time limit ($PART_LIMIT seconds, default 900); one that fails or
 # runs out of time is reported at the end and the others still run; Ctrl-C stops the whole run.
@@ -31,7 +31,8 @@ LIMIT="${PART_LIMIT:-900}"
 ALL=(tests pola_core nala_core train_b8 train_b1 infer_b8 infer_b1 maskrcnn)
 STOCK_SWIN_MRCNN='mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'
 BACKBONES=(swin-t pola-swin-t nalaformer-t pvt-t pola-pvt-t)
-GPU=(--device cuda --warmup 3 --repeats 10)
+# --log-progress: a part stopped by its time limit shows in its log how far it came
+GPU=(--device cuda --warmup 3 --repeats 10 --log-progress)
 
 # the command of a part, one argument per line
 part_command() {
@@ -58,7 +59,7 @@ part_command() {
             printf '%s\n' "$PY" tools/benchmark.py --mode train \
                 configs/polaformer/mask-rcnn_pola-swin-t_fpn_1x_coco.py \
                 configs/nalaformer/mask-rcnn_nalaformer-t_fpn_1x_coco.py "$STOCK_SWIN_MRCNN" \
-                --part model "${GPU[@]}" --sizes 800x1333 --batch 2 \
+                --part model "${GPU[@]}" --sizes 800x1333 --batch 2 --impls fast triton \
                 --compare "$STOCK_SWIN_MRCNN" --json "$out/$part.json" ;;
         *)
             echo "gpu_benchmarks.sh: unknown part '$part' (parts: ${ALL[*]})" >&2

@@ -288,3 +288,28 @@ def test_core_mode_backward_times_training_steps():
     pe = h * N * d * 4
     assert all(r['min_bytes'] == 11 * B * h * N * d * 4 + 2 * B * pe + pe for r in res)
     assert res[1]['max_abs_diff_vs_first_impl'] < 1e-5 * max(1.0, res[1]['max_abs_output'])
+
+
+def test_log_progress_goes_to_stderr_in_order(capsys):
+    # --log-progress: each build, warm-up, the timed rounds and each memory run as a line on
+    # stderr (a run stopped by a time limit shows how far it came); stdout, which scripts parse,
+    # stays as without it
+    argv = ['--mode', 'train', 'pola-pvt-t', 'pvt-t', '--sizes', '32x48', '--batch', '1',
+            '--warmup', '1', '--repeats', '2', '--compare', 'pola-pvt-t:pvt-t']
+    TOOL['main'](argv + ['--log-progress'])
+    out, err = capsys.readouterr()
+    lines = [ln for ln in err.splitlines() if ln.startswith('# progress ')]
+    steps = [re.sub(r'[\d.]+ s', 'T s', ln.split(': ', 1)[1]) for ln in lines]
+    assert steps == ['built pola-pvt-t in T s', 'built pvt-t in T s',
+                     'warm-up of pola-pvt-t | fast: T s', 'warm-up of pvt-t | -: T s',
+                     '2 timed rounds', 'memory run of pola-pvt-t | fast', 'memory run of pvt-t | -']
+    elapsed = [float(re.match(r'# progress ([\d.]+) s: ', ln).group(1)) for ln in lines]
+    assert elapsed == sorted(elapsed)
+    assert '# progress' not in out and re.search(r'^pola-pvt-t\s+fast\s+32x48: [\d.]+x', out, re.M)
+    TOOL['main'](argv)
+    out2, err2 = capsys.readouterr()
+    assert '# progress' not in err2 + out2
+    # the same lines on stdout, timings aside
+    strip = lambda text: [re.sub(r'\s+', ' ', re.sub(r'[\d.]+', 'N', ln))  # noqa: E731
+                          for ln in text.splitlines()]
+    assert strip(out2) == strip(out)
