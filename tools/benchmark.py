@@ -605,6 +605,10 @@ def parse_args(argv=None):
     p.add_argument('--peak-bw', type=float, help='--mode core: device peak bandwidth, GB/s')
     p.add_argument('--backward', action='store_true',
                    help='--mode core: time the forward and the backward of the core')
+    p.add_argument('--profile', type=int, metavar='CALLS',
+                   help='--mode core: after the measurements, profile CALLS calls of each '
+                   'implementation (torch.profiler; CUDA kernels on a GPU) and print the '
+                   'operations and kernels that took the most time')
     p.add_argument('--log-progress', action='store_true',
                    help='write each build, warm-up and round of measurements to stderr as a '
                    'line with the seconds since the start (logs of runs under a time limit: '
@@ -1050,6 +1054,23 @@ def _core_step(fn, leaves, seed):
     return run
 
 
+def profile_table(fn, device, calls, rows=12):
+    """``calls`` calls of ``fn`` under ``torch.profiler`` (with CUDA activity on a GPU): the
+    ``rows`` operations and kernels that took the most time of their own, as torch's table."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.type == 'cuda'
+    fn()  # not the first call: compilations and caches stay out of the table
+    _sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        _sync(device)
+    return prof.key_averages().table(
+        sort_by='self_device_time_total' if cuda else 'self_cpu_time_total', row_limit=rows,
+        max_name_column_width=70)
+
+
 def run_core(args, device):
     """``--mode core``: the attention core alone, with its achieved memory bandwidth."""
     dtype = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}[args.dtype]
@@ -1120,6 +1141,10 @@ def run_core(args, device):
                 if b is not None and r is not b:
                     r['speedup_vs_' + base] = b['latency_ms'] / r['latency_ms']
                     print(f'  {r["impl"]} vs {base}: {r["speedup_vs_" + base]:.2f}x')
+        if args.profile:
+            for impl, fn in zip(impls, fns):
+                print(f'# profile of {impl}, {args.profile} calls, {H}x{W}:')
+                print(profile_table(fn, device, args.profile))
         del meas, first
         gc.collect()
     if args.json:

@@ -313,3 +313,18 @@ def test_log_progress_goes_to_stderr_in_order(capsys):
     strip = lambda text: [re.sub(r'\s+', ' ', re.sub(r'[\d.]+', 'N', ln))  # noqa: E731
                           for ln in text.splitlines()]
     assert strip(out2) == strip(out)
+
+
+def test_core_profile(capsys):
+    # --profile N: after the measurements, a table of the operations that took the most time in
+    # N calls of each implementation (on CPU: torch's operators and the autograd Functions)
+    TOOL['main'](['--mode', 'core', '--attn', 'pola', '--backward', '--grid', '8x8', '--batch',
+                  '1', '--impls', 'torch', 'reference', '--warmup', '0', '--repeats', '1',
+                  '--profile', '3'])
+    out = capsys.readouterr().out
+    torch_part, reference_part = out.split('# profile of torch, 3 calls, 8x8:')[1].split(
+        '# profile of reference, 3 calls, 8x8:')
+    assert 'PolarityAttentionBackward' in torch_part and 'Self CPU time total' in torch_part
+    assert 'PolarityAttentionBackward' not in reference_part  # plain autograd there
+    counts = re.findall(r'^\s*PolarityAttention\s.*\s(\d+)\s*$', torch_part, re.M)
+    assert counts == ['3']  # the forward Function once per call

@@ -133,6 +133,9 @@ def test_cores(part, tmp_path):
                        impls=['torch', 'reference'], compare='reference', warmup='0',
                        repeats='1'), tmp_path)
     assert re.search(r'^  torch vs reference: [\d.]+x$', out, re.M), out[-3000:]
+    # the profile of each core after the measurements (here of CPU operations)
+    for impl in ('torch', 'reference'):
+        assert f'# profile of {impl}, 5 calls, 8x8:' in out
 
 
 def test_mask_rcnn(tmp_path):
