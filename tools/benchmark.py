@@ -580,8 +580,10 @@ def parse_args(argv=None):
     p.add_argument('--warmup', type=int, default=2)
     p.add_argument('--repeats', type=int, default=5, help='timed forwards; median reported')
     p.add_argument('--threads', type=int, default=None, help='torch CPU threads')
-    p.add_argument('--impls', nargs='+', choices=POLA_IMPLS, default=['fast'],
-                   help='Pola mixer implementations to run for every target')
+    p.add_argument('--impls', nargs='+', choices=POLA_IMPLS + ('triton-tf32x3',),
+                   default=['fast'], help='Pola mixer implementations to run for every target '
+                   '(--mode core: cores; triton-tf32x3 is the Triton core with its products on '
+                   'the tensor cores)')
     p.add_argument('--compare', nargs='+', default=None,
                    help="baselines for time ratios: 'BASE' (a target or an implementation name, "
                    "for every other result) or 'TARGET:BASE' (one pair)")
@@ -708,6 +710,9 @@ def _progress_note(args):
 
 def _main(args):
     note = _progress_note(args)
+    if 'triton-tf32x3' in args.impls and args.mode != 'core':
+        raise SystemExit('--impls triton-tf32x3 (the Triton core with its products on the tensor '
+                         'cores) is an implementation of --mode core')
     if args.list:
         for k, (_, desc) in BACKBONES.items():
             print(f'{k:22s} {desc}')
@@ -997,11 +1002,26 @@ def _main(args):
     return results
 
 
-CORE_IMPLS = ('triton', 'torch', 'reference')
+CORE_IMPLS = ('triton', 'triton-tf32x3', 'torch', 'reference')
 
 
-#: ``--mode core`` implementation -> the core name of :mod:`linattn_mm.ops`
-CORE_NAMES = {'triton': 'triton', 'torch': 'fast', 'reference': 'reference'}
+#: ``--mode core`` implementation -> the core name of :mod:`linattn_mm.ops` (``triton-tf32x3``:
+#: the Triton core with its products on the tensor cores, ``ops.dispatch.triton_dot_precision``)
+CORE_NAMES = {'triton': 'triton', 'triton-tf32x3': 'triton', 'torch': 'fast',
+              'reference': 'reference'}
+
+
+def _in_dot_precision(impl, fn):
+    """``fn`` run with the Triton products of ``impl`` (``triton-tf32x3``: tf32x3)."""
+    if not impl.endswith('-tf32x3'):
+        return fn
+    from linattn_mm.ops.dispatch import triton_dot_precision
+
+    def run():
+        with triton_dot_precision('tf32x3'):
+            return fn()
+    run.train = getattr(fn, 'train', False)
+    return run
 
 
 def _core_name(impl):
@@ -1112,6 +1132,7 @@ def run_core(args, device):
             for t in leaves:
                 t.requires_grad_()
             fns = [_core_step(fn, leaves, args.seed) for fn in fns]
+        fns = [_in_dot_precision(impl, fn) for impl, fn in zip(impls, fns)]
         variants = [(impl, lambda: None, fn) for impl, fn in zip(impls, fns)]
         meas = measure_interleaved(variants, device, args.warmup, args.repeats, None,
                                    note=_progress_note(args))

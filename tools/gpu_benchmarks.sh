@@ -10,8 +10,9 @@
 #   tests         the CUDA tests: the Triton cores compiled and checked against the float64
 #                 reference, the CUDA training forms, autocast, the inference conversion
 #   pola_core     the Pola core alone, forward and backward, bf16, 128² and 256² tokens, batch 8:
-#                 Triton against the torch Function and the reference, with the achieved bandwidth
-#                 and a profile of each (the kernels that take the most time)
+#                 Triton (its products in float32 and on the tensor cores, tf32x3) against the
+#                 torch Function and the reference, with the achieved bandwidth and a profile of
+#                 each (the kernels that take the most time)
 #   nala_core     the same for the NaLa core
 #   train_b8      training steps at 800×1344, bf16 autocast, batch 8: Pola-Swin-T, NaLaFormer-T
 #                 and Pola-PVT-T (torch and Triton cores) against the stock Swin-T and PVT-T
@@ -47,7 +48,7 @@ part_command() {
         pola_core|nala_core)
             printf '%s\n' "$PY" tools/benchmark.py --mode core --attn "${part%_core}" --backward \
                 "${GPU[@]}" --dtype bf16 --grid 128x128 256x256 --batch 8 \
-                --impls triton torch reference --compare torch --profile 5 \
+                --impls triton triton-tf32x3 torch reference --compare torch --profile 5 \
                 --json "$out/$part.json" ;;
         train_b8|train_b1)
             printf '%s\n' "$PY" tools/benchmark.py --mode train "${BACKBONES[@]}" "${GPU[@]}" \

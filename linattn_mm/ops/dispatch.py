@@ -8,13 +8,15 @@ Triton kernels are CUDA kernels (Triton's interpreter runs them on CPU tensors u
 ``TRITON_INTERPRET=1``): forward and backward of Pola's and of NaLa's (official kernel); Triton
 is imported on first use only.
 """
+import contextlib
 import os
 import warnings
 
 import torch
 
 __all__ = ['CORES', 'check_core', 'TRITON_DTYPES', 'triton_module', 'triton_available',
-           'TRITON_FAILURES', 'note_triton_failure', 'launch_fitted', 'shared_memory_limit']
+           'TRITON_FAILURES', 'note_triton_failure', 'launch_fitted', 'shared_memory_limit',
+           'DOT_PRECISIONS', 'dot_precision', 'triton_dot_precision']
 
 #: the names of the attention cores of the linear families
 CORES = ('reference', 'fast', 'triton')
@@ -112,9 +114,40 @@ def launch_fitted(kernel, grid, *args, num_stages=3, **kwargs):
                 break
         else:
             name = getattr(getattr(kernel, 'fn', None), '__name__', repr(kernel))
+            prec = kwargs.get('PREC', 'ieee')
+            hint = '' if prec == 'ieee' else \
+                f" or the default precision of the products ('ieee', not {prec!r})"
             raise RuntimeError(
                 f'{name}: needs {shared} bytes of shared memory per program with one pipeline '
                 f"stage, and {device} allows {limit}; use the torch core (core='fast') on this "
-                f'GPU')
+                f'GPU{hint}')
         _FITTED_STAGES[key] = stages
     return kernel[grid](*args, num_stages=stages, **kwargs)
+
+
+#: precisions of the Triton cores' float32 products (``tl.dot``'s ``input_precision``): ``'ieee'``
+#: (float32 arithmetic, the default: the tests hold the cores to float32 error), ``'tf32x3'``
+#: (three TF32 products on the tensor cores, about float32's accuracy), ``'tf32'`` (one; about
+#: 1e-3 relative)
+DOT_PRECISIONS = ('ieee', 'tf32x3', 'tf32')
+_DOT_PRECISION = ['ieee']
+
+
+def dot_precision():
+    """The precision the Triton cores' products are compiled with now (:data:`DOT_PRECISIONS`)."""
+    return _DOT_PRECISION[-1]
+
+
+@contextlib.contextmanager
+def triton_dot_precision(precision):
+    """Within the block, the Triton cores launched (forward, and backward when it runs inside)
+    compile their products with ``precision`` (one of :data:`DOT_PRECISIONS`; each is a kernel of
+    its own, compiled on first use). Leaves the default, ``'ieee'``, everywhere else."""
+    if precision not in DOT_PRECISIONS:
+        raise ValueError(f'triton_dot_precision: precision must be one of {DOT_PRECISIONS}, got '
+                         f'{precision!r}')
+    _DOT_PRECISION.append(precision)
+    try:
+        yield
+    finally:
+        _DOT_PRECISION.pop()

@@ -328,3 +328,22 @@ def test_core_profile(capsys):
     assert 'PolarityAttentionBackward' not in reference_part  # plain autograd there
     counts = re.findall(r'^\s*PolarityAttention\s.*\s(\d+)\s*$', torch_part, re.M)
     assert counts == ['3']  # the forward Function once per call
+
+
+def test_core_with_tensor_core_products():
+    # --mode core --impls triton-tf32x3: the Triton core (forward and backward) run inside
+    # triton_dot_precision('tf32x3'); the other implementations with the default products
+    from linattn_mm.ops.dispatch import dot_precision
+    seen = []
+
+    def step():
+        seen.append(dot_precision())
+    step.train = True
+    for impl in ('triton-tf32x3', 'triton', 'torch'):
+        run = TOOL['_in_dot_precision'](impl, step)
+        run()
+        assert run.train is True
+    assert seen == ['tf32x3', 'ieee', 'ieee'] and dot_precision() == 'ieee'
+    assert TOOL['CORE_NAMES']['triton-tf32x3'] == 'triton'
+    with pytest.raises(SystemExit, match='triton-tf32x3 .* is an implementation of --mode core'):
+        TOOL['main'](['--mode', 'train', 'pvt-t', '--impls', 'triton-tf32x3'])

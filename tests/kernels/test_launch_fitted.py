@@ -76,3 +76,30 @@ def test_off_cuda_and_interpreted_launches_as_asked(monkeypatch):
     dispatch.launch_fitted(kernel, (1,), torch.zeros(1), num_stages=2, D=16)
     assert kernel.compiled == [] and kernel.launched[0][2] == dict(num_stages=2, D=16)
     assert dispatch._stage_limit(torch.device('cpu')) is None
+
+
+def test_dot_precision_of_a_block():
+    # the Triton cores' products: 'ieee' unless a block asks for another, restored after it (also
+    # when it raises); an unknown precision is refused with the valid ones
+    assert dispatch.dot_precision() == 'ieee'
+    with dispatch.triton_dot_precision('tf32x3'):
+        assert dispatch.dot_precision() == 'tf32x3'
+        with dispatch.triton_dot_precision('tf32'):
+            assert dispatch.dot_precision() == 'tf32'
+        assert dispatch.dot_precision() == 'tf32x3'
+    with pytest.raises(KeyError):
+        with dispatch.triton_dot_precision('tf32'):
+            raise KeyError('inside')
+    assert dispatch.dot_precision() == 'ieee'
+    with pytest.raises(ValueError, match=r"precision must be one of \('ieee', 'tf32x3', 'tf32'\), "
+                                         r"got 'bf16'"):
+        with dispatch.triton_dot_precision('bf16'):
+            pass
+
+
+def test_a_kernel_too_large_with_tensor_core_products_names_the_precision(device_with):
+    device_with(99 * 1024)
+    kernel = StandInKernel(150_000)
+    with pytest.raises(RuntimeError, match=r"core='fast'\) on this GPU or the default precision "
+                                           r"of the products \('ieee', not 'tf32x3'\)"):
+        dispatch.launch_fitted(kernel, (1,), torch.zeros(1), PREC='tf32x3')

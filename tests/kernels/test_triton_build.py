@@ -59,41 +59,65 @@ def _cases(results):
     return cases
 
 
+#: arch -> the cases allowed not to fit: the products on the tensor cores (tf32x3) take larger
+#: tiles, and their gradient passes at d = 64 need more than some GPUs have
+MAY_NOT_FIT = {90: {'nala d64 fp32 rope tf32x3'},
+               80: {'pola d64 fp32 pe+temperature tf32x3', 'nala d64 fp32 rope tf32x3'},
+               86: {'pola d64 fp32 pe+temperature tf32x3', 'nala d64 fp32 rope tf32x3'}}
+
+
+def _error_need(message, kernels, limit):
+    """The bytes an error of launch_fitted says a kernel needs, checked to name one of
+    ``kernels``, the limit and the way out."""
+    name, rest = message.split(': needs ', 1)
+    assert name in kernels, message
+    assert f'allows {limit}; ' in rest and "core='fast'" in rest, message
+    need = int(rest.split()[0])
+    assert need > limit, message
+    return need
+
+
 @pytest.mark.parametrize('arch', sorted(GPUS))
 def test_every_launch_fits_the_shared_memory(builds, arch):
     cases = _cases(builds[arch])
-    assert len(cases) == 8
+    assert len(cases) == 10
     for case, launches in cases.items():
         if arch == 86 and case == 'nala d64 fp32 rope':
             continue  # the next test
         family = case.split()[0]
-        # forward and backward: the four kernels, each launched once
-        assert [name for name, *_ in launches] == KERNELS[family], (case, launches)
-        for name, stages, shared in launches:
+        errors = [launch[1] for launch in launches if launch[0] == 'error']
+        launched = [launch for launch in launches if launch[0] != 'error']
+        for name, stages, shared in launched:
             assert 1 <= stages <= 3, (case, name, stages)
             assert 0 < shared <= GPUS[arch], (case, name, shared)
+        if errors:  # a gradient pass that cannot fit: named, after the kernels before it ran
+            assert case in MAY_NOT_FIT[arch], (case, errors)
+            _error_need(errors[0], KERNELS[family][2:], GPUS[arch])
+            assert 'tf32x3' in errors[0]  # the hint names the precision asked for
+            assert [name for name, *_ in launched] == \
+                KERNELS[family][:len(launched)], (case, launches)
+        else:  # forward and backward: the four kernels, each launched once
+            assert [name for name, *_ in launched] == KERNELS[family], (case, launches)
 
 
 def test_hopper_keeps_pipelining_everywhere(builds):
-    # fitting takes stages away only where they do not fit: on Hopper every kernel keeps at
-    # least two, and the NaLa query gradients at d = 64 with the RoPE lose the third (which
-    # does not fit: the reason launch_fitted exists)
-    launches = {(case, name): (stages, shared) for case, name, stages, shared in builds[90]}
-    assert all(stages >= 2 for stages, _ in launches.values()), launches
-    assert launches[('nala d64 fp32 rope', '_nala_query_grad_kernel')][0] < 3
-    assert sum(stages == 3 for stages, _ in launches.values()) >= len(launches) - 2
+    # fitting takes stages away only where they do not fit: on Hopper every kernel with float32
+    # products keeps at least two, and the NaLa query gradients at d = 64 with the RoPE lose the
+    # third (which does not fit: the reason launch_fitted exists)
+    launches = {(case, name): stages for case, name, stages, *_ in builds[90]
+                if not case.endswith('tf32x3')}
+    assert len(launches) == 32 and all(stages >= 2 for stages in launches.values()), launches
+    assert launches[('nala d64 fp32 rope', '_nala_query_grad_kernel')] < 3
+    assert sum(stages == 3 for stages in launches.values()) >= len(launches) - 2
 
 
 def test_a_kernel_that_cannot_fit_is_named(builds):
     # on a 99 KB card the NaLa query gradients at d = 64 with the RoPE need more than that even
     # with one stage: the error names the kernel, its need and the limit, before any launch of it
-    cases = _cases(builds[86])
-    launches = cases['nala d64 fp32 rope']
+    launches = _cases(builds[86])['nala d64 fp32 rope']
     errors = [launch for launch in launches if launch[0] == 'error']
     assert len(errors) == 1
-    message = errors[0][1]
-    assert message.startswith('_nala_query_grad_kernel: needs ')
-    need = int(message.split('needs ')[1].split()[0])
-    assert need > GPUS[86] and f'allows {GPUS[86]}' in message and "core='fast'" in message
+    _error_need(errors[0][1], ['_nala_query_grad_kernel'], GPUS[86])
+    assert 'precision' not in errors[0][1]  # float32 products: no hint about them
     # the forward ran (its two kernels fitted), the backward stopped at the query gradients
     assert [launch[0] for launch in launches if launch[0] != 'error'] == KERNELS['nala'][:2]

@@ -5,7 +5,8 @@ compute capability (90, 80, 86) and the shared memory per program of such a GPU 
 active driver is replaced by one that names that GPU as its target and launches nothing, so every
 kernel goes through Triton's real compiler and ``ptxas`` for it; :func:`launch_fitted` fits the
 pipeline stages to ``LIMIT`` as on that GPU. Each core runs forward and backward on CPU tensors of
-several head dims, dtypes and options (nothing is computed: the outputs are empty buffers). Prints
+several head dims, dtypes and options, two of them with the products on the tensor cores
+(``tf32x3``; nothing is computed: the outputs are empty buffers). Prints
 a JSON list, one entry per kernel launched: ``[case, kernel, stages, shared bytes]``, or
 ``[case, 'error', message]`` for a case that raised.
 """
@@ -87,11 +88,15 @@ def main():
         cases[f'nala d{d} fp32 rope'] = (nala, d, torch.float32, True)
     cases['pola d64 bf16'] = (pola, 64, torch.bfloat16, False)
     cases['nala d64 fp16'] = (nala, 64, torch.float16, False)
+    # the products on the tensor cores (dispatch.triton_dot_precision)
+    cases['pola d64 fp32 pe+temperature tf32x3'] = (pola, 64, torch.float32, True)
+    cases['nala d64 fp32 rope tf32x3'] = (nala, 64, torch.float32, True)
     results = []
     for case, (fn, d, dtype, flag) in cases.items():
         del LAUNCHED[:]
         try:
-            fn(d, dtype, flag).float().sum().backward()
+            with dispatch.triton_dot_precision('tf32x3' if case.endswith('tf32x3') else 'ieee'):
+                fn(d, dtype, flag).float().sum().backward()
         except RuntimeError as e:
             results.append([case, 'error', str(e)])
         results += [[case, *launch] for launch in LAUNCHED]

@@ -18,8 +18,9 @@ with the feature maps made in registers, as the Pola kernel (:mod:`linattn_mm.op
    and writes the normalised result straight into a ``(B, N, h, d)`` buffer.
 
 Inputs may be float32, bfloat16 or float16 (every feature, product and sum is float32); matmuls use
-``input_precision='ieee'``. Head dims are padded to a power of two ≥ 16 inside the kernel (masked
-loads).
+``input_precision='ieee'`` unless :func:`~linattn_mm.ops.dispatch.triton_dot_precision` asks for
+the tensor cores, and launches fit their stages to the device, as Pola's. Head dims are padded to a
+power of two ≥ 16 inside the kernel (masked loads).
 
 **Training** (:class:`NormAwareAttentionTriton`): the forward keeps q, k, v as they came and the
 small matrices; the backward is two more passes that recompute the features in registers (the
@@ -47,7 +48,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..common import kept_input
-from ..dispatch import launch_fitted
+from ..dispatch import dot_precision, launch_fitted
 from ..pola.triton import (_LIB, _padded, _partials, _split, check_qkv, register_dot_flops,
                           triton)
 from .fast import _rot_rows
@@ -86,7 +87,7 @@ if triton is not None:
     def _nala_keys_kernel(K, V, SIN, COS, ACC, KS, n, h, chunk, lam,
                           s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd, s_rn, s_rd,
                           D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
-                          HAS_ROPE: tl.constexpr, CUBE: tl.constexpr):
+                          HAS_ROPE: tl.constexpr, CUBE: tl.constexpr, PREC: tl.constexpr):
         bh, split, b, head, rd, dmask = _program(h, D, DP)
         acc_pc = tl.zeros((DP, DP), dtype=tl.float32)  # (k+ [* cos])^T v
         acc_nc = tl.zeros((DP, DP), dtype=tl.float32)  # (k- [* cos])^T v
@@ -105,13 +106,13 @@ if triton is not None:
             sum_neg += tl.sum(kn, axis=0)
             if HAS_ROPE:
                 cs, sn = _rope_tile(SIN, COS, rn, rd, s_rn, s_rd, m)
-                acc_pc += tl.dot(tl.trans(kp * cs), v, input_precision='ieee')
-                acc_nc += tl.dot(tl.trans(kn * cs), v, input_precision='ieee')
-                acc_ps += tl.dot(tl.trans(kp * sn), v, input_precision='ieee')
-                acc_ns += tl.dot(tl.trans(kn * sn), v, input_precision='ieee')
+                acc_pc += tl.dot(tl.trans(kp * cs), v, input_precision=PREC)
+                acc_nc += tl.dot(tl.trans(kn * cs), v, input_precision=PREC)
+                acc_ps += tl.dot(tl.trans(kp * sn), v, input_precision=PREC)
+                acc_ns += tl.dot(tl.trans(kn * sn), v, input_precision=PREC)
             else:
-                acc_pc += tl.dot(tl.trans(kp), v, input_precision='ieee')
-                acc_nc += tl.dot(tl.trans(kn), v, input_precision='ieee')
+                acc_pc += tl.dot(tl.trans(kp), v, input_precision=PREC)
+                acc_nc += tl.dot(tl.trans(kn), v, input_precision=PREC)
         # partial sums of this chunk: ACC (B*h, splits, 4, DP, DP), KS (B*h, splits, 2, DP)
         n_split = tl.num_programs(1)
         acc = ACC + (bh * n_split + split) * 4 * DP * DP + rd[:, None] * DP + rd[None, :]
@@ -127,7 +128,7 @@ if triton is not None:
     def _nala_queries_kernel(Q, W, KM, SIN, COS, O, N, h, lam, eps,
                              s_qb, s_qh, s_qn, s_qd, s_ob, s_on, s_oh, s_od, s_rn, s_rd,
                              D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
-                             HAS_ROPE: tl.constexpr):
+                             HAS_ROPE: tl.constexpr, PREC: tl.constexpr):
         bh = tl.program_id(0)
         b = bh // h
         head = bh % h
@@ -149,13 +150,13 @@ if triton is not None:
         w = W + bh * 4 * DP * DP + rd[:, None] * DP + rd[None, :]
         if HAS_ROPE:
             cs, sn = _rope_tile(SIN, COS, rm, rd, s_rn, s_rd, m)
-            num = tl.dot(pos * cs, tl.load(w), input_precision='ieee')
-            num += tl.dot(neg * cs, tl.load(w + DP * DP), input_precision='ieee')
-            num += tl.dot(pos * sn, tl.load(w + 2 * DP * DP), input_precision='ieee')
-            num += tl.dot(neg * sn, tl.load(w + 3 * DP * DP), input_precision='ieee')
+            num = tl.dot(pos * cs, tl.load(w), input_precision=PREC)
+            num += tl.dot(neg * cs, tl.load(w + DP * DP), input_precision=PREC)
+            num += tl.dot(pos * sn, tl.load(w + 2 * DP * DP), input_precision=PREC)
+            num += tl.dot(neg * sn, tl.load(w + 3 * DP * DP), input_precision=PREC)
         else:
-            num = tl.dot(pos, tl.load(w), input_precision='ieee')
-            num += tl.dot(neg, tl.load(w + DP * DP), input_precision='ieee')
+            num = tl.dot(pos, tl.load(w), input_precision=PREC)
+            num += tl.dot(neg, tl.load(w + DP * DP), input_precision=PREC)
         out = num / den[:, None]
         tl.store(O + b * s_ob + rm[:, None] * s_on + head * s_oh + rd[None, :] * s_od,
                  out.to(O.dtype.element_ty), mask=m)
@@ -175,7 +176,7 @@ if triton is not None:
                                 s_qb, s_qh, s_qn, s_qd, s_gb, s_gh, s_gn, s_gd,
                                 s_db, s_dh, s_dn, s_dd, s_rn, s_rd,
                                 D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
-                                HAS_ROPE: tl.constexpr):
+                                HAS_ROPE: tl.constexpr, PREC: tl.constexpr):
         bh, split, b, head, rd, dmask = _program(h, D, DP)
         w = W + bh * 4 * DP * DP + rd[:, None] * DP + rd[None, :]
         w0 = tl.load(w)
@@ -203,13 +204,13 @@ if triton is not None:
             if HAS_ROPE:
                 cs, sn = _rope_tile(SIN, COS, rm, rd, s_rn, s_rd, m)
                 pc, nc, ps, ns = pos * cs, neg * cs, pos * sn, neg * sn
-                num = tl.dot(pc, w0, input_precision='ieee')
-                num += tl.dot(nc, w1, input_precision='ieee')
-                num += tl.dot(ps, w2, input_precision='ieee')
-                num += tl.dot(ns, w3, input_precision='ieee')
+                num = tl.dot(pc, w0, input_precision=PREC)
+                num += tl.dot(nc, w1, input_precision=PREC)
+                num += tl.dot(ps, w2, input_precision=PREC)
+                num += tl.dot(ns, w3, input_precision=PREC)
             else:
-                num = tl.dot(pos, w0, input_precision='ieee')
-                num += tl.dot(neg, w1, input_precision='ieee')
+                num = tl.dot(pos, w0, input_precision=PREC)
+                num += tl.dot(neg, w1, input_precision=PREC)
             g = _load_tile(G, b, head, rm, rd, s_gb, s_gh, s_gn, s_gd, m)
             dnum = g / den[:, None]
             dden = -tl.sum(dnum * num, axis=1) / den
@@ -218,19 +219,19 @@ if triton is not None:
             dpos = dden[:, None] * km_pos[None, :]
             dneg = dden[:, None] * km_neg[None, :]
             if HAS_ROPE:
-                dw0 += tl.dot(tl.trans(pc), dnum, input_precision='ieee')
-                dw1 += tl.dot(tl.trans(nc), dnum, input_precision='ieee')
-                dw2 += tl.dot(tl.trans(ps), dnum, input_precision='ieee')
-                dw3 += tl.dot(tl.trans(ns), dnum, input_precision='ieee')
-                dpos += tl.dot(dnum, tl.trans(w0), input_precision='ieee') * cs + \
-                    tl.dot(dnum, tl.trans(w2), input_precision='ieee') * sn
-                dneg += tl.dot(dnum, tl.trans(w1), input_precision='ieee') * cs + \
-                    tl.dot(dnum, tl.trans(w3), input_precision='ieee') * sn
+                dw0 += tl.dot(tl.trans(pc), dnum, input_precision=PREC)
+                dw1 += tl.dot(tl.trans(nc), dnum, input_precision=PREC)
+                dw2 += tl.dot(tl.trans(ps), dnum, input_precision=PREC)
+                dw3 += tl.dot(tl.trans(ns), dnum, input_precision=PREC)
+                dpos += tl.dot(dnum, tl.trans(w0), input_precision=PREC) * cs + \
+                    tl.dot(dnum, tl.trans(w2), input_precision=PREC) * sn
+                dneg += tl.dot(dnum, tl.trans(w1), input_precision=PREC) * cs + \
+                    tl.dot(dnum, tl.trans(w3), input_precision=PREC) * sn
             else:
-                dw0 += tl.dot(tl.trans(pos), dnum, input_precision='ieee')
-                dw1 += tl.dot(tl.trans(neg), dnum, input_precision='ieee')
-                dpos += tl.dot(dnum, tl.trans(w0), input_precision='ieee')
-                dneg += tl.dot(dnum, tl.trans(w1), input_precision='ieee')
+                dw0 += tl.dot(tl.trans(pos), dnum, input_precision=PREC)
+                dw1 += tl.dot(tl.trans(neg), dnum, input_precision=PREC)
+                dpos += tl.dot(dnum, tl.trans(w0), input_precision=PREC)
+                dneg += tl.dot(dnum, tl.trans(w1), input_precision=PREC)
             # through |q / ||q|| |^p: G = da a; with u = q / ||q||, du u = G p per channel, and
             # dq = (du - u (du . u)) / ||q|| + dp lam (1 - tanh^2) u,  dp = ln 2 sum G log2|u|
             nz = y != 0
@@ -258,7 +259,7 @@ if triton is not None:
                               s_dkb, s_dkh, s_dkn, s_dkd, s_dvb, s_dvh, s_dvn, s_dvd, s_rn, s_rd,
                               D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
                               HAS_ROPE: tl.constexpr, CUBE: tl.constexpr,
-                              WANT_DK: tl.constexpr, WANT_DV: tl.constexpr):
+                              WANT_DK: tl.constexpr, WANT_DV: tl.constexpr, PREC: tl.constexpr):
         bh, split, b, head, rd, dmask = _program(h, D, DP)
         c = C + bh * 4 * DP * DP + rd[:, None] * DP + rd[None, :]
         c_pos = tl.load(c)  # gradients of the key-side sums (the 1 / n included)
@@ -278,20 +279,20 @@ if triton is not None:
             if HAS_ROPE:
                 cs, sn = _rope_tile(SIN, COS, rn, rd, s_rn, s_rd, m)
                 if WANT_DV:
-                    dv = tl.dot(kp * cs, c_pos, input_precision='ieee')
-                    dv += tl.dot(kn * cs, c_neg, input_precision='ieee')
-                    dv += tl.dot(kp * sn, s_pos, input_precision='ieee')
-                    dv += tl.dot(kn * sn, s_neg, input_precision='ieee')
-                dkp = tl.dot(v, tl.trans(c_pos), input_precision='ieee') * cs + \
-                    tl.dot(v, tl.trans(s_pos), input_precision='ieee') * sn
-                dkn = tl.dot(v, tl.trans(c_neg), input_precision='ieee') * cs + \
-                    tl.dot(v, tl.trans(s_neg), input_precision='ieee') * sn
+                    dv = tl.dot(kp * cs, c_pos, input_precision=PREC)
+                    dv += tl.dot(kn * cs, c_neg, input_precision=PREC)
+                    dv += tl.dot(kp * sn, s_pos, input_precision=PREC)
+                    dv += tl.dot(kn * sn, s_neg, input_precision=PREC)
+                dkp = tl.dot(v, tl.trans(c_pos), input_precision=PREC) * cs + \
+                    tl.dot(v, tl.trans(s_pos), input_precision=PREC) * sn
+                dkn = tl.dot(v, tl.trans(c_neg), input_precision=PREC) * cs + \
+                    tl.dot(v, tl.trans(s_neg), input_precision=PREC) * sn
             else:
                 if WANT_DV:
-                    dv = tl.dot(kp, c_pos, input_precision='ieee')
-                    dv += tl.dot(kn, c_neg, input_precision='ieee')
-                dkp = tl.dot(v, tl.trans(c_pos), input_precision='ieee')
-                dkn = tl.dot(v, tl.trans(c_neg), input_precision='ieee')
+                    dv = tl.dot(kp, c_pos, input_precision=PREC)
+                    dv += tl.dot(kn, c_neg, input_precision=PREC)
+                dkp = tl.dot(v, tl.trans(c_pos), input_precision=PREC)
+                dkn = tl.dot(v, tl.trans(c_neg), input_precision=PREC)
             if WANT_DV:
                 tl.store(DV + b * s_dvb + head * s_dvh + rn[:, None] * s_dvn + rd[None, :] * s_dvd,
                          dv.to(DV.dtype.element_ty), mask=m)
@@ -349,7 +350,8 @@ def _keys_op(k: torch.Tensor, v: torch.Tensor, sin: Optional[torch.Tensor],
     DP = _padded(d)
     launch_fitted(_nala_keys_kernel, (B * h, acc.shape[1]),
         k, v, sin_t, cos_t, acc, ks, n, h, chunk, lam, *k.stride(), *v.stride(), *rs,
-        D=d, DP=DP, BLOCK_N=block_n, HAS_ROPE=sin is not None, CUBE=lam == 3.0,
+        PREC=dot_precision(), D=d, DP=DP,
+        BLOCK_N=block_n, HAS_ROPE=sin is not None, CUBE=lam == 3.0,
         **_launch_options(sin, DP))
     return acc, ks
 
@@ -369,7 +371,7 @@ def _queries_op(q: torch.Tensor, w: torch.Tensor, km: torch.Tensor, sin: Optiona
     sin_t, cos_t, rs = _rope_args(sin, cos, q)
     launch_fitted(_nala_queries_kernel, (B * h, triton.cdiv(N, block_m)),
         q, w, km, sin_t, cos_t, out, N, h, lam, eps, *q.stride(), *out.stride(), *rs,
-        D=d, DP=_padded(d), BLOCK_M=block_m, HAS_ROPE=sin is not None)
+        PREC=dot_precision(), D=d, DP=_padded(d), BLOCK_M=block_m, HAS_ROPE=sin is not None)
     return out
 
 
@@ -402,7 +404,7 @@ def _query_grads_op(q: torch.Tensor, grad: torch.Tensor, w: torch.Tensor, km: to
     DP = _padded(d)
     launch_fitted(_nala_query_grad_kernel, (B * h, dw.shape[1]),
         q, grad, w, km, sin_t, cos_t, dq_t, dw, dkm, N, h, chunk, lam, eps, *q.stride(),
-        *grad.stride(), *dq_t.stride(), *rs, D=d, DP=DP, BLOCK_M=block_m,
+        *grad.stride(), *dq_t.stride(), *rs, PREC=dot_precision(), D=d, DP=DP, BLOCK_M=block_m,
         HAS_ROPE=sin is not None, **_launch_options(sin, DP))
     return dq, dw, dkm
 
@@ -435,7 +437,7 @@ def _key_grads_op(k: torch.Tensor, v: torch.Tensor, sin: Optional[torch.Tensor],
     DP = _padded(d)
     launch_fitted(_nala_key_grad_kernel, (B * h, splits),
         k, v, sin_t, cos_t, c, dks, dk, dv, n, h, chunk, lam, *k.stride(), *v.stride(),
-        *dk_t.stride(), *dv_t.stride(), *rs, D=d, DP=DP, BLOCK_N=block_n,
+        *dk_t.stride(), *dv_t.stride(), *rs, PREC=dot_precision(), D=d, DP=DP, BLOCK_N=block_n,
         HAS_ROPE=sin is not None, CUBE=lam == 3.0, WANT_DK=want_dk, WANT_DV=want_dv,
         **_launch_options(sin, DP))
     return dk, dv

@@ -18,8 +18,12 @@ Same maths as :func:`linattn_mm.ops.pola.fast.polarity_attention_fast` (and the 
 
 Inputs may be float32, bfloat16 or float16 (read as they are; every feature, product and sum is
 float32; the output has ``out_dtype``). The matmuls use ``input_precision='ieee'`` (no TF32): they
-are d × d per token and the kernel is bound by memory traffic, not by them. Head dims are padded
-to a power of two ≥ 16 inside the kernel (masked loads), so any ``d`` works.
+are d × d per token and were meant to leave the kernel bound by memory traffic; Triton lowers them
+to FMA loops. :func:`~linattn_mm.ops.dispatch.triton_dot_precision` compiles them for the tensor
+cores instead (``'tf32x3'``, ``'tf32'``: the ``PREC`` of every kernel), a switch to measure that on
+a GPU, not a default. Head dims are padded to a power of two ≥ 16 inside the kernel (masked
+loads), so any ``d`` works. Every launch fits its pipeline stages to the device's shared memory
+(:func:`~linattn_mm.ops.dispatch.launch_fitted`).
 
 **Training** (:class:`PolarityAttentionTriton`, the autograd Function of the two passes above):
 the forward keeps q, k, v (as they came, in their dtype), the parameters and the small per-head
@@ -48,7 +52,8 @@ from typing import Optional, Tuple
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
-from ..dispatch import TRITON_DTYPES, launch_fitted, triton_available, triton_module
+from ..dispatch import (TRITON_DTYPES, dot_precision, launch_fitted, triton_available,
+                        triton_module)
 
 triton = triton_module()  # Triton ships with the CUDA builds of torch; the torch cores never need it
 if triton is not None:
@@ -87,7 +92,7 @@ if triton is not None:
                           s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
                           s_pb, s_ph, s_pn, s_pd,
                           D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
-                          HAS_PE: tl.constexpr, HAS_SCALE: tl.constexpr):
+                          HAS_PE: tl.constexpr, HAS_SCALE: tl.constexpr, PREC: tl.constexpr):
         bh, split, b, head, rd, dmask = _program(h, D, DP)
         p = tl.load(P + head * D + rd, mask=dmask, other=1.0)
         if HAS_SCALE:
@@ -107,8 +112,8 @@ if triton is not None:
                 y = y * inv_s[None, :]
             kp, kn = _features(y, p[None, :])
             v = _load_tile(V, b, head, rn, rd, s_vb, s_vh, s_vn, s_vd, m)
-            acc_pos += tl.dot(tl.trans(kp), v, input_precision='ieee')
-            acc_neg += tl.dot(tl.trans(kn), v, input_precision='ieee')
+            acc_pos += tl.dot(tl.trans(kp), v, input_precision=PREC)
+            acc_neg += tl.dot(tl.trans(kn), v, input_precision=PREC)
             sum_pos += tl.sum(kp, axis=0)
             sum_neg += tl.sum(kn, axis=0)
         # partial sums of this chunk: KV (B*h, splits, 2, DP, DP), KS (B*h, splits, 2, DP)
@@ -124,7 +129,7 @@ if triton is not None:
     def _pola_queries_kernel(Q, W, KS, P, S, O, N, h, eps,
                              s_qb, s_qh, s_qn, s_qd, s_ob, s_on, s_oh, s_od,
                              D: tl.constexpr, D_SAME: tl.constexpr, DP: tl.constexpr,
-                             BLOCK_M: tl.constexpr, HAS_SCALE: tl.constexpr):
+                             BLOCK_M: tl.constexpr, HAS_SCALE: tl.constexpr, PREC: tl.constexpr):
         bh = tl.program_id(0)
         b = bh // h
         head = bh % h
@@ -138,8 +143,8 @@ if triton is not None:
             y = y * tl.load(S + head * D + rd, mask=dmask, other=1.0)[None, :]
         qp, qn = _features(y, p[None, :])
         w = W + bh * 2 * DP * DP + rd[:, None] * DP + rd[None, :]
-        num = tl.dot(qp, tl.load(w), input_precision='ieee')
-        num += tl.dot(qn, tl.load(w + DP * DP), input_precision='ieee')
+        num = tl.dot(qp, tl.load(w), input_precision=PREC)
+        num += tl.dot(qn, tl.load(w + DP * DP), input_precision=PREC)
         ks_pos = tl.load(KS + bh * 2 * DP + rd)  # key means (sums / n), zero on the padding
         ks_neg = tl.load(KS + bh * 2 * DP + DP + rd)
         den_same = tl.sum(qp * ks_pos[None, :] + qn * ks_neg[None, :], axis=1) + eps
@@ -171,7 +176,7 @@ if triton is not None:
                                 s_qb, s_qh, s_qn, s_qd, s_gb, s_gh, s_gn, s_gd,
                                 s_db, s_dh, s_dn, s_dd,
                                 D: tl.constexpr, D_SAME: tl.constexpr, DP: tl.constexpr,
-                                BLOCK_M: tl.constexpr, HAS_SCALE: tl.constexpr):
+                                BLOCK_M: tl.constexpr, HAS_SCALE: tl.constexpr, PREC: tl.constexpr):
         bh, split, b, head, rd, dmask = _program(h, D, DP)
         same = (rd < D_SAME)[None, :]
         p = tl.load(P + head * D + rd, mask=dmask, other=1.0)
@@ -197,8 +202,8 @@ if triton is not None:
             if HAS_SCALE:
                 y = x * inv_s[None, :]
             l2, a, qp, qn = _power_terms(y, p[None, :])
-            num = tl.dot(qp, w_pos, input_precision='ieee')
-            num += tl.dot(qn, w_neg, input_precision='ieee')
+            num = tl.dot(qp, w_pos, input_precision=PREC)
+            num += tl.dot(qn, w_neg, input_precision=PREC)
             den_same = tl.sum(qp * m_pos[None, :] + qn * m_neg[None, :], axis=1) + eps
             den_opp = tl.sum(qp * m_neg[None, :] + qn * m_pos[None, :], axis=1) + eps
             den = tl.where(same, den_same[:, None], den_opp[:, None])
@@ -207,13 +212,13 @@ if triton is not None:
             t = dnum * num / den
             dden_same = -tl.sum(tl.where(same, t, 0.0), axis=1)
             dden_opp = -tl.sum(tl.where(same, 0.0, t), axis=1)
-            dw_pos += tl.dot(tl.trans(qp), dnum, input_precision='ieee')
-            dw_neg += tl.dot(tl.trans(qn), dnum, input_precision='ieee')
+            dw_pos += tl.dot(tl.trans(qp), dnum, input_precision=PREC)
+            dw_neg += tl.dot(tl.trans(qn), dnum, input_precision=PREC)
             dm_pos += tl.sum(qp * dden_same[:, None] + qn * dden_opp[:, None], axis=0)
             dm_neg += tl.sum(qn * dden_same[:, None] + qp * dden_opp[:, None], axis=0)
-            dqp = tl.dot(dnum, tl.trans(w_pos), input_precision='ieee') + \
+            dqp = tl.dot(dnum, tl.trans(w_pos), input_precision=PREC) + \
                 dden_same[:, None] * m_pos[None, :] + dden_opp[:, None] * m_neg[None, :]
-            dqn = tl.dot(dnum, tl.trans(w_neg), input_precision='ieee') + \
+            dqn = tl.dot(dnum, tl.trans(w_neg), input_precision=PREC) + \
                 dden_same[:, None] * m_neg[None, :] + dden_opp[:, None] * m_pos[None, :]
             dy, dpw = _power_grads(y, l2, a, dqp, dqn, p[None, :])
             d_pow += tl.sum(dpw, axis=0)
@@ -240,7 +245,7 @@ if triton is not None:
                               s_dvb, s_dvh, s_dvn, s_dvd,
                               D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
                               HAS_PE: tl.constexpr, HAS_SCALE: tl.constexpr, WANT_DK: tl.constexpr,
-                              WANT_DV: tl.constexpr):
+                              WANT_DV: tl.constexpr, PREC: tl.constexpr):
         bh, split, b, head, rd, dmask = _program(h, D, DP)
         p = tl.load(P + head * D + rd, mask=dmask, other=1.0)
         if HAS_SCALE:
@@ -265,12 +270,12 @@ if triton is not None:
             l2, a, kp, kn = _power_terms(y, p[None, :])
             v = _load_tile(V, b, head, rn, rd, s_vb, s_vh, s_vn, s_vd, m)
             if WANT_DV:
-                dv = tl.dot(kp, dkv_pos, input_precision='ieee')
-                dv += tl.dot(kn, dkv_neg, input_precision='ieee')
+                dv = tl.dot(kp, dkv_pos, input_precision=PREC)
+                dv += tl.dot(kn, dkv_neg, input_precision=PREC)
                 tl.store(DV + b * s_dvb + head * s_dvh + rn[:, None] * s_dvn + rd[None, :] * s_dvd,
                          dv.to(DV.dtype.element_ty), mask=m)
-            dkp = tl.dot(v, tl.trans(dkv_pos), input_precision='ieee') + dm_pos[None, :]
-            dkn = tl.dot(v, tl.trans(dkv_neg), input_precision='ieee') + dm_neg[None, :]
+            dkp = tl.dot(v, tl.trans(dkv_pos), input_precision=PREC) + dm_pos[None, :]
+            dkn = tl.dot(v, tl.trans(dkv_neg), input_precision=PREC) + dm_neg[None, :]
             dy, dpw = _power_grads(y, l2, a, dkp, dkn, p[None, :])
             d_pow += tl.sum(dpw, axis=0)
             if HAS_SCALE:
@@ -372,7 +377,7 @@ def _keys_op(k: torch.Tensor, v: torch.Tensor, pe: Optional[torch.Tensor], p: to
     pe_t = k if pe is None else pe
     launch_fitted(_pola_keys_kernel, (B * h, kv.shape[1]),
         k, v, pe_t, p, p if inv_s is None else inv_s, kv, ks, n, h, chunk, *k.stride(),
-        *v.stride(), *pe_t.stride(), D=d, DP=_padded(d), BLOCK_N=block_n,
+        *v.stride(), *pe_t.stride(), PREC=dot_precision(), D=d, DP=_padded(d), BLOCK_N=block_n,
         HAS_PE=pe is not None, HAS_SCALE=inv_s is not None)
     return kv, ks
 
@@ -391,7 +396,8 @@ def _queries_op(q: torch.Tensor, w: torch.Tensor, ks: torch.Tensor, p: torch.Ten
     out = q.new_empty(B, N, h, d, dtype=out_dtype)
     launch_fitted(_pola_queries_kernel, (B * h, triton.cdiv(N, block_m)),
         q, w, ks, p, p if inv_s is None else inv_s, out, N, h, eps, *q.stride(), *out.stride(),
-        D=d, D_SAME=(d + 1) // 2, DP=_padded(d), BLOCK_M=block_m, HAS_SCALE=inv_s is not None)
+        PREC=dot_precision(), D=d, D_SAME=(d + 1) // 2,
+        DP=_padded(d), BLOCK_M=block_m, HAS_SCALE=inv_s is not None)
     return out
 
 
@@ -425,7 +431,8 @@ def _query_grads_op(q: torch.Tensor, grad: torch.Tensor, w: torch.Tensor, ks: to
     launch_fitted(_pola_query_grad_kernel, (B * h, dw.shape[1]),
         q, grad, w, ks, p, p if inv_s is None else inv_s, dq_t, dw, dm, d_inv, d_pow, N, h,
         chunk, eps, *q.stride(), *grad.stride(), *dq_t.stride(),
-        D=d, D_SAME=(d + 1) // 2, DP=_padded(d), BLOCK_M=block_m, HAS_SCALE=inv_s is not None)
+        PREC=dot_precision(), D=d, D_SAME=(d + 1) // 2,
+        DP=_padded(d), BLOCK_M=block_m, HAS_SCALE=inv_s is not None)
     return dq, dw, dm, d_inv, d_pow
 
 
@@ -462,7 +469,7 @@ def _key_grads_op(k: torch.Tensor, v: torch.Tensor, pe: Optional[torch.Tensor], 
     launch_fitted(_pola_key_grad_kernel, (B * h, d_inv.shape[1]),
         k, v, pe_t, p, p if inv_s is None else inv_s, dkv, dm, dk, dv, d_inv, d_pow, n, h, chunk,
         *k.stride(), *v.stride(), *pe_t.stride(), *dk_t.stride(), *dv_t.stride(),
-        D=d, DP=_padded(d), BLOCK_N=block_n, HAS_PE=pe is not None,
+        PREC=dot_precision(), D=d, DP=_padded(d), BLOCK_N=block_n, HAS_PE=pe is not None,
         HAS_SCALE=inv_s is not None, WANT_DK=want_dk, WANT_DV=want_dv)
     return dk, dv, d_inv, d_pow
 
