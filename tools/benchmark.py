@@ -713,6 +713,8 @@ def _main(args):
     if 'triton-tf32x3' in args.impls and args.mode != 'core':
         raise SystemExit('--impls triton-tf32x3 (the Triton core with its products on the tensor '
                          'cores) is an implementation of --mode core')
+    if args.profile and args.mode != 'core':
+        raise SystemExit('--profile profiles the cores of --mode core')
     if args.list:
         for k, (_, desc) in BACKBONES.items():
             print(f'{k:22s} {desc}')
@@ -750,7 +752,7 @@ def _main(args):
           + ('' if heap is None else f', heap allocator: {"on" if heap else "not glibc, off"}'))
 
     if args.mode == 'core':
-        return run_core(args, device)
+        return run_core(args, device, note)
     # --- targets: (name, build() -> (module, make_input(size) -> callable)) ---
     jobs = []
     if args.mode == 'attention':
@@ -1091,7 +1093,7 @@ def profile_table(fn, device, calls, rows=12):
         max_name_column_width=70)
 
 
-def run_core(args, device):
+def run_core(args, device, note=None):
     """``--mode core``: the attention core alone, with its achieved memory bandwidth."""
     dtype = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}[args.dtype]
     impls = [i for i in args.impls if i != 'fast'] or ['torch']
@@ -1135,7 +1137,7 @@ def run_core(args, device):
         fns = [_in_dot_precision(impl, fn) for impl, fn in zip(impls, fns)]
         variants = [(impl, lambda: None, fn) for impl, fn in zip(impls, fns)]
         meas = measure_interleaved(variants, device, args.warmup, args.repeats, None,
-                                   note=_progress_note(args))
+                                   note=note)
         first = meas[impls[0]][2]
         for impl in impls:
             med, times, out, peak, how, _ = meas[impl]

@@ -71,8 +71,8 @@ def note_triton_failure(owner, exc):
                   f'error)', stacklevel=3)
 
 
-#: pipeline stages chosen by :func:`launch_fitted`, per kernel, launch options, argument dtypes and
-#: device
+#: pipeline stages chosen by :func:`launch_fitted`, per kernel, launch options, device and the
+#: arguments' specialization
 _FITTED_STAGES = {}
 
 
@@ -89,6 +89,21 @@ def _stage_limit(device):
     return shared_memory_limit(device)
 
 
+def _specialization(args):
+    """What of the arguments, besides the constexprs, decides which kernel Triton compiles (and
+    so its shared memory): the tensors' dtypes and 16-byte alignment, the integers' divisibility
+    by 16 and being 1."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif isinstance(a, int) and not isinstance(a, bool):
+            out.append((a % 16 == 0, a == 1))
+        else:
+            out.append(type(a))
+    return tuple(out)
+
+
 def launch_fitted(kernel, grid, *args, num_stages=3, **kwargs):
     """``kernel[grid](*args, **kwargs)`` with the most software-pipeline stages, from
     ``num_stages`` down to 1, whose compiled kernel fits the shared memory of the device of the
@@ -97,15 +112,15 @@ def launch_fitted(kernel, grid, *args, num_stages=3, **kwargs):
     A kernel's shared memory grows with its stages and tiles and the limit differs between GPUs
     (227 KB per block on Hopper, 163 KB on the A100, 99 KB on most other recent cards), so one fixed
     choice either leaves Hopper's pipelining unused or does not launch elsewhere. The choice is
-    made once per kernel, options, argument dtypes and device by compiling (not launching) each
-    candidate; a kernel that does not fit with one stage raises a ``RuntimeError`` that names it,
-    its shared memory and the device's. Under Triton's interpreter the kernel runs as asked."""
+    made once per kernel, options, device and specialization of the arguments (dtypes and
+    alignment, as Triton specializes its kernels) by compiling (not launching) each candidate; a
+    kernel that does not fit with one stage raises a ``RuntimeError`` that names it, its shared
+    memory and the device's. Under Triton's interpreter the kernel runs as asked."""
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
     limit = _stage_limit(device)
     if limit is None:
         return kernel[grid](*args, num_stages=num_stages, **kwargs)
-    key = (kernel, tuple(sorted(kwargs.items())), num_stages, device,
-           tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+    key = (kernel, tuple(sorted(kwargs.items())), num_stages, device, _specialization(args))
     stages = _FITTED_STAGES.get(key)
     if stages is None:
         for stages in range(num_stages, 0, -1):
@@ -130,6 +145,8 @@ def launch_fitted(kernel, grid, *args, num_stages=3, **kwargs):
 #: (three TF32 products on the tensor cores, about float32's accuracy), ``'tf32'`` (one; about
 #: 1e-3 relative)
 DOT_PRECISIONS = ('ieee', 'tf32x3', 'tf32')
+# one stack for the process, not per thread: on CUDA autograd runs the backward on a thread of its
+# own, which must see the precision of the block that runs it
 _DOT_PRECISION = ['ieee']
 
 
@@ -142,7 +159,9 @@ def dot_precision():
 def triton_dot_precision(precision):
     """Within the block, the Triton cores launched (forward, and backward when it runs inside)
     compile their products with ``precision`` (one of :data:`DOT_PRECISIONS`; each is a kernel of
-    its own, compiled on first use). Leaves the default, ``'ieee'``, everywhere else."""
+    its own, compiled on first use). Leaves the default, ``'ieee'``, everywhere else. The cores read
+    it when they launch: put the block around a call of a ``torch.compile``-d function, not inside
+    it (a compiled graph does not see a change made within it)."""
     if precision not in DOT_PRECISIONS:
         raise ValueError(f'triton_dot_precision: precision must be one of {DOT_PRECISIONS}, got '
                          f'{precision!r}')

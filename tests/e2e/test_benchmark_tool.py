@@ -347,3 +347,25 @@ def test_core_with_tensor_core_products():
     assert TOOL['CORE_NAMES']['triton-tf32x3'] == 'triton'
     with pytest.raises(SystemExit, match='triton-tf32x3 .* is an implementation of --mode core'):
         TOOL['main'](['--mode', 'train', 'pvt-t', '--impls', 'triton-tf32x3'])
+    with pytest.raises(SystemExit, match='--profile profiles the cores of --mode core'):
+        TOOL['main'](['--mode', 'train', 'pvt-t', '--profile', '2'])
+
+
+def test_core_mode_runs_each_core_in_its_precision(monkeypatch):
+    # the core mode's calls of the Pola core, forward and backward: triton-tf32x3 inside
+    # triton_dot_precision('tf32x3'), the others not (the Triton kernels themselves need CUDA
+    # here; the precision they would compile with is what the core reads when it launches)
+    import linattn_mm.ops.pola as pola_ops
+    from linattn_mm.ops.dispatch import dot_precision
+    seen = []
+    real = pola_ops.polarity_attention
+
+    def recording(*args, core=None, **kwargs):
+        seen.append((core, dot_precision()))
+        return real(*args, core='fast', **kwargs)
+    monkeypatch.setattr(pola_ops, 'polarity_attention', recording)
+    TOOL['main'](['--mode', 'core', '--attn', 'pola', '--backward', '--grid', '8x8', '--batch',
+                  '1', '--impls', 'triton-tf32x3', 'triton', 'torch', '--warmup', '1',
+                  '--repeats', '1'])
+    assert set(seen) == {('triton', 'tf32x3'), ('triton', 'ieee'), ('fast', 'ieee')}
+    assert dot_precision() == 'ieee'

@@ -69,13 +69,29 @@ def test_a_kernel_too_large_for_one_stage_is_named(device_with):
 
 
 def test_off_cuda_and_interpreted_launches_as_asked(monkeypatch):
-    # CPU tensors without the interpreter never reach a launch in the cores (their device check
-    # comes first); under the interpreter the kernel runs with the stages asked, nothing compiled
+    # off CUDA nothing is fitted (CPU tensors reach a launch only under the interpreter); under
+    # the interpreter the kernel runs with the stages asked, nothing compiled
+    assert dispatch._stage_limit(torch.device('cpu')) is None
+    assert dispatch._stage_limit(torch.device('meta')) is None
     monkeypatch.setattr(dispatch, '_interpreting', lambda: True)
     kernel = StandInKernel(10 ** 9)
     dispatch.launch_fitted(kernel, (1,), torch.zeros(1), num_stages=2, D=16)
     assert kernel.compiled == [] and kernel.launched[0][2] == dict(num_stages=2, D=16)
-    assert dispatch._stage_limit(torch.device('cpu')) is None
+
+
+def test_a_specialization_of_its_own_is_fitted_again(device_with):
+    # Triton compiles a kernel per alignment of the pointers and divisibility of the integers,
+    # whose shared memory differs: each is fitted when it first comes
+    device_with(100_000)
+    kernel = StandInKernel(40_000)
+    x = torch.zeros(64)
+    dispatch.launch_fitted(kernel, (1,), x, 32, D=32)
+    dispatch.launch_fitted(kernel, (1,), x[1:], 32, D=32)  # 4 bytes off: another kernel
+    dispatch.launch_fitted(kernel, (1,), x[4:], 48, D=32)  # 16 bytes off, 48 = 3 * 16: the first
+    dispatch.launch_fitted(kernel, (1,), x, 33, D=32)  # not a multiple of 16: another
+    dispatch.launch_fitted(kernel, (1,), x, 1, D=32)  # 1: another
+    assert kernel.compiled == [3, 2] * 4
+    assert dispatch._specialization((x, 32, 1e-6)) == ((torch.float32, True), (True, False), float)
 
 
 def test_dot_precision_of_a_block():

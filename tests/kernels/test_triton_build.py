@@ -43,10 +43,15 @@ def builds(tmp_path_factory):
                                     cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     text=True) for arch, limit in GPUS.items()}
     out = {}
-    for arch, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=900)
-        assert proc.returncode == 0, stderr[-3000:]
-        out[arch] = json.loads(stdout)
+    try:
+        for arch, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=900)
+            assert proc.returncode == 0, stderr[-3000:]
+            out[arch] = json.loads(stdout)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
     if any(isinstance(r, dict) for r in out.values()):
         pytest.skip(next(r for r in out.values() if isinstance(r, dict))['unsupported'])
     return out
@@ -109,6 +114,19 @@ def test_hopper_keeps_pipelining_everywhere(builds):
     assert len(launches) == 32 and all(stages >= 2 for stages in launches.values()), launches
     assert launches[('nala d64 fp32 rope', '_nala_query_grad_kernel')] < 3
     assert sum(stages == 3 for stages in launches.values()) >= len(launches) - 2
+
+
+def test_the_stages_docs_benchmarks_gives(builds):
+    # docs/benchmarks.md, "On a GPU: NVIDIA H200 (version 0.6.10)": the NaLa gradient passes at
+    # d = 64 with the RoPE on an A100 run with one and two stages, and on 99 KB cards three of
+    # the Pola kernels (position encoding, temperature, d = 64) with one or two
+    stages = {arch: {(case, name): launch[0] for case, name, *launch in builds[arch]
+                     if name != 'error'} for arch in GPUS}
+    assert stages[80][('nala d64 fp32 rope', '_nala_query_grad_kernel')] == 1
+    assert stages[80][('nala d64 fp32 rope', '_nala_key_grad_kernel')] == 2
+    pola = {name: st for (case, name), st in stages[86].items()
+            if case == 'pola d64 fp32 pe+temperature'}
+    assert sorted(pola.values()) == [1, 1, 2, 3], pola
 
 
 def test_a_kernel_that_cannot_fit_is_named(builds):

@@ -36,7 +36,7 @@ class CompileOnlyDriver:
         return 0
 
     def get_current_target(self):
-        return GPUTarget('cuda', ARCH, 64 if ARCH >= 90 else 32)
+        return GPUTarget('cuda', ARCH, 32)  # NVIDIA's warp: 32 threads
 
     def get_active_torch_device(self):
         return torch.device('cpu')
@@ -55,7 +55,11 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
 
 
 def main():
-    driver.set_active(CompileOnlyDriver())
+    try:
+        driver.set_active(CompileOnlyDriver())
+    except (AttributeError, TypeError) as e:  # pragma: no cover - depends on the Triton version
+        print(json.dumps({'unsupported': f"this Triton's driver cannot be replaced ({e})"}))
+        return
     JITFunction.run = _compile_only
     import linattn_mm.ops.dispatch as dispatch
     dispatch._interpreting = lambda: True  # the cores' device checks accept CPU tensors
