@@ -63,6 +63,10 @@ reference`` runs plain autograd of the reference forms). The peak memory is that
 step: everything autograd keeps for the backward, the gradients and the backward's temporaries
 (the weights, the input and the gradients' previous values not counted).
 
+``--mmcv-ops torchvision`` runs the detectors' NMS and RoIAlign on torchvision's kernels in
+place of mmcv's compiled ones (:class:`TorchvisionMmcvOps`; the same results): for timing a
+detector on a GPU where mmcv was built without its CUDA ops.
+
 ``--device meta`` (with ``--mode train``) runs the training steps on ``meta`` tensors:
 shapes only, nothing computed, on a machine without a GPU. The models take the paths they take
 on a GPU (one chunk, the sums over the tokens in parts), and the tool reports the operations of
@@ -288,6 +292,71 @@ def set_impl(model, impl, ffn='auto', device=None, train=False):
                 if isinstance(m, deploy.InferenceForm) and m.base_class in (TransformerBlock,
                                                                             NaLaBlock):
                     m.__class__ = m.base_class
+
+
+class TorchvisionMmcvOps:
+    """Stands in for mmcv's compiled extension in :mod:`mmcv.ops.nms` and
+    :mod:`mmcv.ops.roi_align` (``--mmcv-ops torchvision``): ``nms`` and the average-pooled
+    ``roi_align_forward`` / ``roi_align_backward`` run torchvision's kernels, every other name is
+    the extension's. For timing detectors on a GPU with an mmcv built without its CUDA ops (as
+    ``pip install mmcv`` builds it where no CUDA toolkit is found). Both libraries compute the
+    same things: IoU without the +1 offset, RoIAlign on ``(batch index, x1, y1, x2, y2)`` boxes
+    with the same sampling and ``aligned`` half-pixel shift."""
+
+    def __init__(self, ext):
+        self._ext = ext
+
+    def __getattr__(self, name):
+        return getattr(self._ext, name)
+
+    @staticmethod
+    def nms(bboxes, scores, iou_threshold, offset=0):
+        import torchvision
+        if offset != 0:
+            raise NotImplementedError('--mmcv-ops torchvision: torchvision has no NMS with the '
+                                      f'+1 box offset (offset={offset}); use mmcv\'s own ops')
+        return torchvision.ops.nms(bboxes, scores, float(iou_threshold))
+
+    @staticmethod
+    def _check_avg(pool_mode):
+        if pool_mode != 1:
+            raise NotImplementedError('--mmcv-ops torchvision: torchvision\'s RoIAlign averages; '
+                                      'max pooling (pool_mode 0) needs mmcv\'s own ops')
+
+    @classmethod
+    def roi_align_forward(cls, input, rois, output, argmax_y, argmax_x, aligned_height,
+                          aligned_width, spatial_scale, sampling_ratio, pool_mode, aligned):
+        import torchvision
+        cls._check_avg(pool_mode)
+        output.copy_(torchvision.ops.roi_align(input, rois, (aligned_height, aligned_width),
+                                               spatial_scale, sampling_ratio, aligned))
+
+    @classmethod
+    def roi_align_backward(cls, grad_output, rois, argmax_y, argmax_x, grad_input,
+                           aligned_height, aligned_width, spatial_scale, sampling_ratio,
+                           pool_mode, aligned):
+        import torchvision  # noqa: F401  (registers torch.ops.torchvision)
+        cls._check_avg(pool_mode)
+        n, c, h, w = grad_input.shape
+        grad_input.copy_(torch.ops.torchvision._roi_align_backward(
+            grad_output, rois, spatial_scale, aligned_height, aligned_width, n, c, h, w,
+            sampling_ratio, aligned))
+
+
+def route_mmcv_ops_to_torchvision():
+    """Make mmcv's NMS and RoIAlign run torchvision's kernels (:class:`TorchvisionMmcvOps`);
+    returns a function that restores mmcv's own."""
+    import importlib
+    # the modules (``mmcv.ops.nms`` as an attribute is the function of that name)
+    nms_mod, roi_mod = (importlib.import_module(f'mmcv.ops.{m}') for m in ('nms', 'roi_align'))
+    saved = [(m, m.ext_module) for m in (nms_mod, roi_mod)]
+    for m, ext in saved:
+        m.ext_module = TorchvisionMmcvOps(ext)
+
+    def restore():
+        for m, ext in saved:
+            m.ext_module = ext
+    return restore
 
 
 # ------------------------------------------------------------------------------------------------
@@ -633,6 +702,9 @@ def parse_args(argv=None):
                    help='--mode train, backbones: torch.compile each backbone (backend inductor, '
                         'or the one named) and time its compiled steps; the warm-up steps '
                         'compile')
+    p.add_argument('--mmcv-ops', choices=['mmcv', 'torchvision'], default='mmcv',
+                   help="detectors' NMS and RoIAlign: mmcv's compiled ops, or torchvision's "
+                        '(for a GPU where mmcv was built without its CUDA ops)')
     p.add_argument('--json', help='write all results to this JSON file')
     p.add_argument('--plot', help='write a log-log plot of time and peak memory vs pixels')
     return p.parse_args(argv)
@@ -693,8 +765,11 @@ def fused_attention_on_meta():
 
 def main(argv=None):
     args = parse_args(argv)
-    with (fused_attention_on_meta() if torch.device(args.device).type == 'meta'
-          else contextlib.nullcontext()):
+    with contextlib.ExitStack() as stack:
+        if torch.device(args.device).type == 'meta':
+            stack.enter_context(fused_attention_on_meta())
+        if args.mmcv_ops == 'torchvision':  # mmcv's own ops again when the run ends
+            stack.callback(route_mmcv_ops_to_torchvision())
         return _main(args)
 
 

@@ -1,6 +1,7 @@
 """tools/benchmark.py runs its three modes on small inputs (the speed figures themselves are in
 docs/benchmarks.md, measured outside the tests): the straightforward official Pola forward and the
 fast path give equal outputs, the JSON holds medians and peak memory, and the plot is written."""
+import importlib
 import json
 import re
 import runpy
@@ -369,3 +370,71 @@ def test_core_mode_runs_each_core_in_its_precision(monkeypatch):
                   '--repeats', '1'])
     assert set(seen) == {('triton', 'tf32x3'), ('triton', 'ieee'), ('fast', 'ieee')}
     assert dot_precision() == 'ieee'
+
+
+def _boxes(g, n, size=64.):
+    xy = torch.rand(n, 2, generator=g) * size
+    wh = 4 + torch.rand(n, 2, generator=g) * size / 2
+    return torch.cat([xy, xy + wh], 1)
+
+
+def test_mmcv_ops_routed_to_torchvision_equal_mmcv_ones():
+    """--mmcv-ops torchvision (a GPU with an mmcv built without its CUDA ops): NMS keeps the same
+    boxes and RoIAlign gives the same features and input gradients as mmcv's compiled CPU ops,
+    and mmcv's own ops are back after the run."""
+    ops = pytest.importorskip('mmcv.ops')
+    nms_mod, roi_mod = (importlib.import_module(f'mmcv.ops.{m}') for m in ('nms', 'roi_align'))
+    g = torch.Generator().manual_seed(0)
+    boxes, scores = _boxes(g, 300), torch.rand(300, generator=g)
+    feats = torch.randn(2, 5, 20, 24, generator=g)
+    rois = torch.cat([torch.randint(0, 2, (40, 1), generator=g).float(),
+                      _boxes(g, 40, size=80.)], 1)
+
+    def run_ops():
+        dets, keep = ops.nms(boxes, scores, 0.5)
+        out = []
+        for aligned, ratio in ((True, 0), (False, 2)):
+            x = feats.clone().requires_grad_()
+            y = ops.roi_align(x, rois, (7, 6), 0.25, ratio, 'avg', aligned)
+            (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+            out += [y.detach(), x.grad]
+        return dets, keep, out
+
+    own = run_ops()
+    original = nms_mod.ext_module, roi_mod.ext_module
+    restore = TOOL['route_mmcv_ops_to_torchvision']()
+    try:
+        routed = run_ops()
+        assert isinstance(nms_mod.ext_module, TOOL['TorchvisionMmcvOps'])
+        with pytest.raises(NotImplementedError, match='max pooling'):
+            ops.roi_align(feats, rois, (7, 7), 0.25, 0, 'max', True)
+        with pytest.raises(NotImplementedError, match='offset'):
+            ops.nms(boxes, scores, 0.5, offset=1)
+    finally:
+        restore()
+    assert (nms_mod.ext_module, roi_mod.ext_module) == original
+    assert 20 < len(own[1]) < 300 and torch.equal(own[1], routed[1])
+    torch.testing.assert_close(routed[0], own[0])
+    for a, b in zip(own[2], routed[2]):
+        assert a.abs().max() > 0.1
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def test_mmcv_ops_option_restores_mmcv_after_the_run():
+    pytest.importorskip('mmcv.ops')
+    mmcv_nms = importlib.import_module('mmcv.ops.nms')
+    original = mmcv_nms.ext_module
+    seen = []
+    real = TOOL['_main']
+
+    def spy(args):
+        seen.append(type(mmcv_nms.ext_module).__name__)
+        return real(args)
+    TOOL['main'].__globals__['_main'] = spy
+    try:
+        TOOL['main'](['--mode', 'core', '--grid', '4x4', '--batch', '1', '--heads', '1',
+                      '--head-dims', '4', '--impls', 'torch', '--warmup', '0', '--repeats', '1',
+                      '--mmcv-ops', 'torchvision'])
+    finally:
+        TOOL['main'].__globals__['_main'] = real
+    assert seen == ['TorchvisionMmcvOps'] and mmcv_nms.ext_module is original
