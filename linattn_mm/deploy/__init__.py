@@ -7,8 +7,8 @@ blocks and mixers of a model their inference forms for a device, in place:
 ========================================  ==================================================
 module                                    CPU form                    | CUDA form
 ========================================  ==================================================
-``PolaLinearAttention``                   whole layer, chunk by chunk | Triton core
-``NormAwareLinearAttention`` (official)   whole layer, chunk by chunk | Triton core
+``PolaLinearAttention``                   whole layer, chunk by chunk | Triton core (d ≤ 32)
+``NormAwareLinearAttention`` (official)   whole layer, chunk by chunk | Triton core (d ≤ 32)
 ``WindowSoftmaxAttention``                windows a group at a time   |
 ``TransformerBlock`` (no PVTv2 FFN)       FFN half fused, in place    |
 ``PatchEmbed`` (non-overlapping)          one GEMM on the patches     |
@@ -61,7 +61,9 @@ def convert(model, device=None):
     Modules without an inference form on that device, or that cannot take it (e.g. a Pola mixer with
     class tokens), keep their plain forward; so do modules with forward hooks (the inference forms
     may skip hooks of the layers inside them and update tensors in place). On CUDA the Pola and NaLa
-    mixers run their Triton cores when Triton is installed; otherwise nothing changes there.
+    mixers with head dims up to 32 run their Triton cores when Triton is installed (larger heads
+    keep the torch core, faster there: ``max_head_dims`` of the Triton forms); otherwise nothing
+    changes there.
     Converting twice is harmless.
     """
     from linattn_mm.ops.dispatch import triton_available

@@ -169,6 +169,20 @@ class _TritonCore(InferenceForm):
     from then on."""
     device_type = 'cuda'
     autocast_ok = True
+    #: the largest head dim given the Triton core. Measured on an H200 (docs/benchmarks.md,
+    #: bf16 inference at 800×1344, batch 8, against the unconverted torch core): faster at d = 32
+    #: (Pola-Swin-T 1.36×), slower at d = 64 (Pola-PVT-T 0.65×, NaLaFormer-T 0.91×; a training
+    #: step of the Pola core alone 0.42× of the reference; its d × d products, float32 FMA
+    #: loops, are four times those of d = 32). Mixers with larger heads keep the torch core;
+    #: raise this (on the class) to convert them all the same.
+    max_head_dims = 32
+
+    @classmethod
+    def unsupported(cls, module):
+        if module.head_dims > cls.max_head_dims:
+            return (f'head dims {module.head_dims} > {cls.max_head_dims}: the torch core is '
+                    f'faster there ({cls.__name__}.max_head_dims)')
+        return None
 
     def runs_on(self, x):
         # Triton's interpreter (TRITON_INTERPRET=1) runs the CUDA kernels on CPU tensors
@@ -199,6 +213,9 @@ class NormAwareLinearAttentionTriton(_TritonCore, NormAwareLinearAttention):
 
     @classmethod
     def unsupported(cls, module):
+        too_large = super().unsupported(module)
+        if too_large is not None:
+            return too_large
         if module.kernel != 'official':
             return f"the Triton core runs the official kernel (kernel='{module.kernel}')"
         if module.query_power is not None:

@@ -155,6 +155,31 @@ def test_cuda_conversion_gives_the_triton_forms_and_checks_the_device(monkeypatc
     assert all(m.core == 'fast' for m in pola)
 
 
+@pytest.mark.parametrize('family', ['pola', 'nala'])
+def test_cuda_conversion_keeps_the_torch_core_for_heads_over_32(monkeypatch, family):
+    """The Triton inference core only for head dims up to ``max_head_dims`` (32: slower than the
+    torch core at 64 on the GPU measured); raised on the class, larger heads take it too."""
+    monkeypatch.delenv('TRITON_INTERPRET', raising=False)
+    if not linattn_mm.ops.dispatch.triton_available('cuda'):
+        pytest.skip('Triton not installed: no CUDA forms')
+    from linattn_mm.models.attentions.nala import NormAwareLinearAttention
+    from linattn_mm.models.attentions.pola import PolaLinearAttention
+    cls, form = ((PolaLinearAttention, deploy.PolaLinearAttentionTriton) if family == 'pola'
+                 else (NormAwareLinearAttention, deploy.NormAwareLinearAttentionTriton))
+    kw = dict(pretrain_hw=(8, 8)) if family == 'pola' else {}
+    mixers = {d: cls(2 * d, 2, **kw).eval() for d in (16, 32, 64)}
+    for m in mixers.values():
+        deploy.convert(m, 'cuda')
+    assert {d: type(m).__name__ for d, m in mixers.items()} == {
+        16: form.__name__, 32: form.__name__, 64: cls.__name__}
+    assert [m.core for m in mixers.values()] == ['triton', 'triton', 'fast']
+    assert form.unsupported(mixers[64]) == (
+        f'head dims 64 > 32: the torch core is faster there ({form.__name__}.max_head_dims)')
+    monkeypatch.setattr(form, 'max_head_dims', 64)
+    deploy.convert(mixers[64], 'cuda')
+    assert type(mixers[64]) is form and mixers[64].core == 'triton'
+
+
 def test_get_model_gives_a_converted_frozen_model_or_a_trainable_plain_one():
     m = linattn_mm.get_model('pola-pvt-t_in1k')
     assert not m.training and not any(p.requires_grad for p in m.parameters())
