@@ -63,6 +63,12 @@ reference`` runs plain autograd of the reference forms). The peak memory is that
 step: everything autograd keeps for the backward, the gradients and the backward's temporaries
 (the weights, the input and the gradients' previous values not counted).
 
+``--profile N`` (any mode but ``--device meta``): after the timings, N more calls of each
+target and implementation (forwards, training steps, core calls) under ``torch.profiler``, and
+the table of the operations and kernels that took the most time of their own (GPU time on CUDA).
+``--log-progress`` writes each build, warm-up, the timed rounds and each memory run to stderr with
+the seconds since the start: a run stopped by a time limit shows how far it came.
+
 ``--mmcv-ops torchvision`` runs the detectors' NMS and RoIAlign on torchvision's kernels in
 place of mmcv's compiled ones (:class:`TorchvisionMmcvOps`; the same results): for timing a
 detector on a GPU where mmcv was built without its CUDA ops.
@@ -677,9 +683,10 @@ def parse_args(argv=None):
     p.add_argument('--backward', action='store_true',
                    help='--mode core: time the forward and the backward of the core')
     p.add_argument('--profile', type=int, metavar='CALLS',
-                   help='--mode core: after the measurements, profile CALLS calls of each '
-                   'implementation (torch.profiler; CUDA kernels on a GPU) and print the '
-                   'operations and kernels that took the most time')
+                   help='after the measurements, profile CALLS calls (forwards, training '
+                   'steps, core calls) of each target and implementation (torch.profiler; CUDA '
+                   'kernels on a GPU) and print the operations and kernels that took the most '
+                   'time')
     p.add_argument('--log-progress', action='store_true',
                    help='write each build, warm-up and round of measurements to stderr as a '
                    'line with the seconds since the start (logs of runs under a time limit: '
@@ -788,8 +795,9 @@ def _main(args):
     if 'triton-tf32x3' in args.impls and args.mode != 'core':
         raise SystemExit('--impls triton-tf32x3 (the Triton core with its products on the tensor '
                          'cores) is an implementation of --mode core')
-    if args.profile and args.mode != 'core':
-        raise SystemExit('--profile profiles the cores of --mode core')
+    if args.profile and args.device == 'meta':
+        raise SystemExit('--profile times operations and kernels: not on --device meta, which '
+                         'computes nothing')
     if args.list:
         for k, (_, desc) in BACKBONES.items():
             print(f'{k:22s} {desc}')
@@ -995,6 +1003,12 @@ def _main(args):
                     _emit_by_module(bar, r, ops, args.ops_by_module)
                     del out
                 del first_out
+            if args.profile:  # each variant's calls under torch.profiler, after the timings
+                for key, act, fn in variants:
+                    act()
+                    run = fn if getattr(fn, 'train', False) else _runner(fn, device, ac)
+                    emit(bar, f'# profile of {key}, {args.profile} calls, {hw[0]}x{hw[1]}:\n'
+                              + profile_table(run, device, args.profile))
             del meas, variants
             gc.collect()
             if bar is not None:

@@ -17,10 +17,18 @@
 #   train_b8      training steps at 800×1344, bf16 autocast, batch 8: Pola-Swin-T, NaLaFormer-T
 #                 and Pola-PVT-T (torch and Triton cores) against the stock Swin-T and PVT-T
 #   train_b1      the same at batch 1
+#   train_profile where the time of those steps goes: three bf16 training steps at batch 8 of
+#                 each backbone (torch cores) under torch.profiler, the kernels that took the most
+#                 GPU time
 #   infer_b8      inference at 800×1344, bf16, batch 8: converted (Triton) and unconverted
 #   infer_b1      the same at batch 1
 #   maskrcnn      a Mask R-CNN training iteration, batch 2, 1333×800, float32: the Pola-Swin-T
 #                 and NaLaFormer-T configs (torch and Triton cores) against the stock Swin-T config
+#                 (MMCV_OPS=torchvision: NMS and RoIAlign on torchvision's kernels, for an mmcv built
+#                 without its CUDA ops)
+#
+# The first training steps on the Triton cores compile their kernels: on an H200 about 10 s for
+# Pola-Swin-T and 80 s for NaLaFormer-T (its head dim 64 with the RoPE), within the warm-up.
 #
 # Every part runs under its own time limit ($PART_LIMIT seconds, default 900); one that fails or
 # runs out of time is reported at the end and the others still run; Ctrl-C stops the whole run.
@@ -30,7 +38,7 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python}"
 LIMIT="${PART_LIMIT:-900}"
-ALL=(tests pola_core nala_core train_b8 train_b1 infer_b8 infer_b1 maskrcnn)
+ALL=(tests pola_core nala_core train_b8 train_b1 train_profile infer_b8 infer_b1 maskrcnn)
 STOCK_SWIN_MRCNN='mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'
 BACKBONES=(swin-t pola-swin-t nalaformer-t pvt-t pola-pvt-t)
 # --log-progress: a part stopped by its time limit shows in its log how far it came
@@ -54,6 +62,10 @@ part_command() {
             printf '%s\n' "$PY" tools/benchmark.py --mode train "${BACKBONES[@]}" "${GPU[@]}" \
                 --dtype bf16 --sizes 800x1344 --batch "${part#train_b}" --impls fast triton \
                 --compare swin-t pola-pvt-t:pvt-t --json "$out/$part.json" ;;
+        train_profile)
+            printf '%s\n' "$PY" tools/benchmark.py --mode train "${BACKBONES[@]}" --device cuda \
+                --log-progress --warmup 2 --repeats 2 --dtype bf16 --sizes 800x1344 --batch 8 \
+                --impls fast --profile 3 --json "$out/$part.json" ;;
         infer_b8|infer_b1)
             printf '%s\n' "$PY" tools/benchmark.py --mode backbone "${BACKBONES[@]}" "${GPU[@]}" \
                 --dtype bf16 --sizes 800x1344 --batch "${part#infer_b}" --impls fast torch \
@@ -63,7 +75,8 @@ part_command() {
                 configs/polaformer/mask-rcnn_pola-swin-t_fpn_1x_coco.py \
                 configs/nalaformer/mask-rcnn_nalaformer-t_fpn_1x_coco.py "$STOCK_SWIN_MRCNN" \
                 --part model "${GPU[@]}" --sizes 800x1333 --batch 2 --impls fast triton \
-                --compare "$STOCK_SWIN_MRCNN" --json "$out/$part.json" ;;
+                --mmcv-ops "${MMCV_OPS:-mmcv}" --compare "$STOCK_SWIN_MRCNN" \
+                --json "$out/$part.json" ;;
         *)
             echo "gpu_benchmarks.sh: unknown part '$part' (parts: ${ALL[*]})" >&2
             return 2 ;;

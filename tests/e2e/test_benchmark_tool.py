@@ -331,6 +331,25 @@ def test_core_profile(capsys):
     assert counts == ['3']  # the forward Function once per call
 
 
+def test_training_step_profile(capsys):
+    # --profile N in the other modes: N training steps of each target and implementation under
+    # the profiler after the timings (on CPU: torch's operators and the autograd Functions)
+    TOOL['main'](['--mode', 'train', 'pola-pvt-t', 'pvt-t', '--sizes', '32', '--impls', 'fast',
+                  'reference', '--warmup', '0', '--repeats', '1', '--profile', '2'])
+    out = capsys.readouterr().out
+    parts = re.split(r'^# profile of (.*), 2 calls, 32x32:$', out, flags=re.M)
+    tables = dict(zip(parts[1::2], parts[2::2]))
+    assert set(tables) == {'pola-pvt-t | fast', 'pola-pvt-t | reference', 'pvt-t | -'}
+    # the backward of the lean training Function of the Pola core, once per layer and step (2
+    # layers in each of the 4 stages of PVT-T, 2 steps), against plain autograd in the reference
+    counts = re.findall(r'^\s*PolarityAttentionBackward\s.*\s(\d+)\s*$',
+                        tables['pola-pvt-t | fast'], re.M)
+    assert counts == ['16']
+    assert 'PolarityAttention' not in tables['pola-pvt-t | reference']
+    assert 'PolarityAttention' not in tables['pvt-t | -']
+    assert all('Self CPU time total' in t for t in tables.values())
+
+
 def test_core_with_tensor_core_products():
     # --mode core --impls triton-tf32x3: the Triton core (forward and backward) run inside
     # triton_dot_precision('tf32x3'); the other implementations with the default products
@@ -348,8 +367,8 @@ def test_core_with_tensor_core_products():
     assert TOOL['CORE_NAMES']['triton-tf32x3'] == 'triton'
     with pytest.raises(SystemExit, match='triton-tf32x3 .* is an implementation of --mode core'):
         TOOL['main'](['--mode', 'train', 'pvt-t', '--impls', 'triton-tf32x3'])
-    with pytest.raises(SystemExit, match='--profile profiles the cores of --mode core'):
-        TOOL['main'](['--mode', 'train', 'pvt-t', '--profile', '2'])
+    with pytest.raises(SystemExit, match='--profile times .* not on --device meta'):
+        TOOL['main'](['--mode', 'train', 'pvt-t', '--device', 'meta', '--profile', '2'])
 
 
 def test_core_mode_runs_each_core_in_its_precision(monkeypatch):

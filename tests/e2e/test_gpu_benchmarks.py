@@ -16,8 +16,8 @@ import pytest
 import torch
 
 SCRIPT = 'tools/gpu_benchmarks.sh'
-PARTS = ['tests', 'pola_core', 'nala_core', 'train_b8', 'train_b1', 'infer_b8', 'infer_b1',
-         'maskrcnn']
+PARTS = ['tests', 'pola_core', 'nala_core', 'train_b8', 'train_b1', 'train_profile', 'infer_b8',
+         'infer_b1', 'maskrcnn']
 STOCK_MRCNN = 'mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'
 
 
@@ -114,6 +114,16 @@ def test_training_steps_counted_as_on_a_gpu(part, tmp_path):
                 (name, impl, out[-3000:])
 
 
+def test_training_profile(tmp_path):
+    argv = printed()['train_profile']
+    assert argv[argv.index('--batch') + 1] == '8' and argv[argv.index('--dtype') + 1] == 'bf16'
+    out = run(override(argv, device='cpu', dtype='fp32', sizes='64x96', repeats='1',
+                       warmup='0'), tmp_path)
+    for name in ('swin-t | -', 'pola-swin-t | fast', 'nalaformer-t | fast', 'pvt-t | -',
+                 'pola-pvt-t | fast'):
+        assert f'# profile of {name}, 3 calls, 64x96:' in out, (name, out[-3000:])
+
+
 @pytest.mark.parametrize('part', ['infer_b8', 'infer_b1'])
 def test_inference(part, tmp_path):
     out = run(override(printed()[part], device='cpu', dtype='fp32', sizes='64x96',
@@ -141,6 +151,9 @@ def test_cores(part, tmp_path):
 def test_mask_rcnn(tmp_path):
     argv = printed()['maskrcnn']
     assert argv[argv.index('--impls') + 1:argv.index('--impls') + 3] == ['fast', 'triton']
+    assert argv[argv.index('--mmcv-ops') + 1] == 'mmcv'
+    res = script('--print', 'maskrcnn', MMCV_OPS='torchvision')  # an mmcv without CUDA ops
+    assert ' --mmcv-ops torchvision ' in res.stdout
     # the Triton cores train on CUDA only: here the torch core
     out = run(override(argv, device='cpu', sizes='128x192', batch='1', warmup='0', repeats='1',
                        impls=['fast']), tmp_path)
