@@ -335,6 +335,11 @@ TABLE = {
     "--compare 'mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'":
         Run('gpu_benchmark_train_mask_rcnn', '--device cpu --sizes 128x192 --batch 1 '
             '--warmup 0 --repeats 1 (no GPU in CI)'),
+    'python tools/benchmark.py --mode train swin-t pola-swin-t nalaformer-t pvt-t pola-pvt-t '
+    '--device cuda --dtype bf16 --sizes 800x1344 --batch 8 --impls fast --compare swin-t '
+    'pola-pvt-t:pvt-t --warmup 1 --repeats 3':
+        Run('gpu_benchmark_train_h200', '--device cpu --sizes 64x96 --batch 1 --warmup 0 '
+            '--repeats 1 (no GPU in CI; bf16 autocast on CPU)'),
     # ---- docs/new_detector_config.md
     '.venv/bin/python tools/train.py configs/mine/atss_swin-t_fpn_1x_coco.py':
         Run('new_detector_config', 'run in tmp: configs/mine/atss_swin-t_fpn_1x_coco.py is the '
@@ -1017,6 +1022,18 @@ def _gpu_train_case(sh, cmd, dtype):
                        ('swin-t', 'linattn-swin-t'), ('pvt-t', 'pola-pvt-t')):
         assert f'# time ratios: {base} / this' in out
         assert re.search(_RATIO.format(name=name, impl=r'\S+', size='64x96'), out, re.M), \
+            out[-3000:]
+
+
+def case_gpu_benchmark_train_h200(sh, tmp_path):
+    cmd = _gpu_cmd('python tools/benchmark.py --mode train swin-t pola-swin-t')
+    out = sh(cmd, doc_argv(cmd, values={'--device': ['cpu'], '--sizes': ['64x96'],
+                                        '--batch': ['1'], '--warmup': ['0'], '--repeats': ['1']}))
+    assert 'dtype bf16' in out and 'FAILED' not in out, out[-3000:]
+    for base, name in (('swin-t', 'pola-swin-t'), ('swin-t', 'nalaformer-t'),
+                       ('pvt-t', 'pola-pvt-t')):
+        assert f'# time ratios: {base} / this' in out
+        assert re.search(_RATIO.format(name=name, impl='fast', size='64x96'), out, re.M), \
             out[-3000:]
 
 
