@@ -16,7 +16,7 @@ import torch
 
 __all__ = ['CORES', 'check_core', 'TRITON_DTYPES', 'triton_module', 'triton_available',
            'TRITON_FAILURES', 'note_triton_failure', 'launch_fitted', 'shared_memory_limit',
-           'DOT_PRECISIONS', 'dot_precision', 'triton_dot_precision']
+           'DOT_PRECISIONS', 'dot_precision', 'triton_dot_precision', 'core_launch']
 
 #: the names of the attention cores of the linear families
 CORES = ('reference', 'fast', 'triton')
@@ -69,6 +69,22 @@ def note_triton_failure(owner, exc):
     warnings.warn(f'{owner}: the Triton kernel failed ({TRITON_FAILURES[-1][:500]}); the torch '
                   f"kernel runs instead from now on (core='triton' on the module raises the "
                   f'error)', stacklevel=3)
+
+
+def core_launch(DP):
+    """``(num_warps, block)`` of the Pola and NaLa cores' kernels at padded head dim ``DP``: the
+    warps of a program and the tokens it takes per step (the keys' and queries' blocks).
+
+    A program holds (DP × DP) float32 accumulators; Triton lowers their float32 products to FMA
+    loops whose operands live in registers. Compiled for ``sm_90`` (``ptxas -v``), the kernels at
+    DP = 64 with 4 warps and blocks of 64 tokens spilled 2 to 70 KB per thread to local memory in
+    all four passes (the torch core was faster there on an H200); with 8 warps and blocks of 16
+    six of the eight kernels spill nothing and the other two 84 and 556 bytes, and each needs at
+    most half the shared memory of the old launch but one (the NaLa query gradients: 110 KB
+    instead of 194). Up to DP = 32 the launch stays as it was measured on the H200
+    (4 warps, blocks of 64; its forward kernels spill nothing). Not measured on a GPU yet at
+    DP = 64."""
+    return (4, 64) if DP <= 32 else (8, 16)
 
 
 #: pipeline stages chosen by :func:`launch_fitted`, per kernel, launch options, device and the

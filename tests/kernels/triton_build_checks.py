@@ -1,17 +1,23 @@
 """Compile the Triton kernels of the Pola and NaLa cores for a CUDA architecture, without a GPU.
 
-Run as a script (by ``tests/kernels/test_triton_build.py``, in a subprocess): ``ARCH LIMIT``, a
-compute capability (90, 80, 86) and the shared memory per program of such a GPU in bytes. Triton's
+Run as a script (by ``tests/kernels/test_triton_build.py``, in a subprocess): ``ARCH LIMIT
+[spills]``, a compute capability (90, 80, 86), the shared memory per program of such a GPU in bytes
+and, with ``spills``, the bytes each kernel spills to local memory as ``ptxas -v`` reports them
+(the kernel's PTX assembled again for that GPU by the ``ptxas`` Triton ships). Triton's
 active driver is replaced by one that names that GPU as its target and launches nothing, so every
 kernel goes through Triton's real compiler and ``ptxas`` for it; :func:`launch_fitted` fits the
 pipeline stages to ``LIMIT`` as on that GPU. Each core runs forward and backward on CPU tensors of
 several head dims, dtypes and options, two of them with the products on the tensor cores
 (``tf32x3``; nothing is computed: the outputs are empty buffers). Prints
-a JSON list, one entry per kernel launched: ``[case, kernel, stages, shared bytes]``, or
-``[case, 'error', message]`` for a case that raised.
+a JSON list, one entry per kernel launched: ``[case, kernel, stages, shared bytes, spill stores
+in bytes or None]``, or ``[case, 'error', message]`` for a case that raised.
 """
 import json
+import os
+import re
+import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -24,6 +30,7 @@ except ImportError as e:  # pragma: no cover - depends on the Triton version
     sys.exit(0)
 
 ARCH, LIMIT = int(sys.argv[1]), int(sys.argv[2])
+SPILLS = sys.argv[3:] == ['spills']
 
 
 class CompileOnlyDriver:
@@ -46,11 +53,27 @@ LAUNCHED = []
 _run = JITFunction.run
 
 
+def spill_stores(ptx):
+    """The bytes of spill stores ``ptxas -v`` reports for the kernel of ``ptx`` on ARCH."""
+    import triton
+    ptxas = os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin', 'ptxas')
+    arch = f'sm_{ARCH}' + ('a' if ARCH == 90 else '')
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, 'kernel.ptx')
+        with open(src, 'w') as f:
+            f.write(ptx)
+        res = subprocess.run([ptxas, f'-arch={arch}', '-v', src, '-o', os.path.join(tmp, 'k.o')],
+                             capture_output=True, text=True, check=True)
+    return int(re.search(r'(\d+) bytes spill stores', res.stderr).group(1))
+
+
 def _compile_only(self, *args, grid, warmup, **kwargs):
     """Compile as the launch would; record a launch (not the stage fitting's compilations)."""
     kernel = _run(self, *args, grid=grid, warmup=True, **kwargs)
     if not warmup:
-        LAUNCHED.append((self.fn.__name__, kwargs.get('num_stages'), kernel.metadata.shared))
+        spills = spill_stores(kernel.asm['ptx']) if SPILLS else None
+        LAUNCHED.append((self.fn.__name__, kwargs.get('num_stages'), kernel.metadata.shared,
+                         spills))
     return kernel
 
 

@@ -39,8 +39,10 @@ formulas of :mod:`linattn_mm.ops.nala.autograd`):
 
 The launches are torch operators (``torch.ops.linattn_mm.nala_triton_*``) with fake forms, so on
 ``meta`` tensors they make their outputs' shapes and the counters of :mod:`linattn_mm.utils`
-count them. ``core='triton'`` on the mixer (inference and training; CUDA only), which
-:func:`linattn_mm.deploy.convert` sets for CUDA inference. ``TRITON_INTERPRET=1`` runs the same
+count them. Warps and block sizes by head dim as Pola's
+(:func:`~linattn_mm.ops.dispatch.core_launch`). ``core='triton'`` on the mixer (inference and
+training; CUDA only), which :func:`linattn_mm.deploy.convert` sets for CUDA inference (head dims
+up to 32). ``TRITON_INTERPRET=1`` runs the same
 kernels on CPU tensors.
 """
 from typing import Optional, Tuple
@@ -48,7 +50,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..common import kept_input
-from ..dispatch import dot_precision, launch_fitted
+from ..dispatch import core_launch, dot_precision, launch_fitted
 from ..pola.triton import (_LIB, _padded, _partials, _split, check_qkv, register_dot_flops,
                           triton)
 from .fast import _rot_rows
@@ -310,12 +312,11 @@ if triton is not None:
 
 
 
-def _launch_options(sin, DP):
-    """Warps of a launch: with the RoPE a program holds four (DP x DP) float32 accumulators, spread
-    over 8 warps at DP >= 64 (NaLaFormer-T's stages 1-2). The pipeline stages are fitted to the
-    device's shared memory by :func:`~linattn_mm.ops.dispatch.launch_fitted` (three stages of the
-    query gradients' tiles at DP = 64 need about 280 KB, over Hopper's 227 KB per block)."""
-    return {'num_warps': 8 if sin is not None and DP >= 64 else 4}
+def _launch_options(DP):
+    """Warps of a launch (:func:`~linattn_mm.ops.dispatch.core_launch`: 8 at DP >= 64, where a
+    program holds up to four (DP x DP) float32 accumulators with the RoPE). The pipeline stages
+    are fitted to the device's shared memory by :func:`~linattn_mm.ops.dispatch.launch_fitted`."""
+    return {'num_warps': core_launch(DP)[0]}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -352,7 +353,7 @@ def _keys_op(k: torch.Tensor, v: torch.Tensor, sin: Optional[torch.Tensor],
         k, v, sin_t, cos_t, acc, ks, n, h, chunk, lam, *k.stride(), *v.stride(), *rs,
         PREC=dot_precision(), D=d, DP=DP,
         BLOCK_N=block_n, HAS_ROPE=sin is not None, CUBE=lam == 3.0,
-        **_launch_options(sin, DP))
+        **_launch_options(DP))
     return acc, ks
 
 
@@ -371,7 +372,8 @@ def _queries_op(q: torch.Tensor, w: torch.Tensor, km: torch.Tensor, sin: Optiona
     sin_t, cos_t, rs = _rope_args(sin, cos, q)
     launch_fitted(_nala_queries_kernel, (B * h, triton.cdiv(N, block_m)),
         q, w, km, sin_t, cos_t, out, N, h, lam, eps, *q.stride(), *out.stride(), *rs,
-        PREC=dot_precision(), D=d, DP=_padded(d), BLOCK_M=block_m, HAS_ROPE=sin is not None)
+        PREC=dot_precision(), D=d, DP=_padded(d), BLOCK_M=block_m, HAS_ROPE=sin is not None,
+        **_launch_options(_padded(d)))
     return out
 
 
@@ -405,7 +407,7 @@ def _query_grads_op(q: torch.Tensor, grad: torch.Tensor, w: torch.Tensor, km: to
     launch_fitted(_nala_query_grad_kernel, (B * h, dw.shape[1]),
         q, grad, w, km, sin_t, cos_t, dq_t, dw, dkm, N, h, chunk, lam, eps, *q.stride(),
         *grad.stride(), *dq_t.stride(), *rs, PREC=dot_precision(), D=d, DP=DP, BLOCK_M=block_m,
-        HAS_ROPE=sin is not None, **_launch_options(sin, DP))
+        HAS_ROPE=sin is not None, **_launch_options(DP))
     return dq, dw, dkm
 
 
@@ -439,7 +441,7 @@ def _key_grads_op(k: torch.Tensor, v: torch.Tensor, sin: Optional[torch.Tensor],
         k, v, sin_t, cos_t, c, dks, dk, dv, n, h, chunk, lam, *k.stride(), *v.stride(),
         *dk_t.stride(), *dv_t.stride(), *rs, PREC=dot_precision(), D=d, DP=DP, BLOCK_N=block_n,
         HAS_ROPE=sin is not None, CUBE=lam == 3.0, WANT_DK=want_dk, WANT_DV=want_dv,
-        **_launch_options(sin, DP))
+        **_launch_options(DP))
     return dk, dv
 
 
@@ -511,7 +513,7 @@ class NormAwareAttentionTriton(torch.autograd.Function):
 
 
 def nala_attention_triton(q, k, v, power=3., eps=1e-6, sin=None, cos=None, out_dtype=None,
-                          block_n=64, block_m=64, v_keep=None):
+                          block_n=None, block_m=None, v_keep=None):
     """Norm-aware linear attention core (official kernel) with the Triton kernels (see the module
     docstring); same arguments and result as :func:`linattn_mm.ops.nala.fast.nala_attention_fast`.
 
@@ -527,11 +529,15 @@ def nala_attention_triton(q, k, v, power=3., eps=1e-6, sin=None, cos=None, out_d
         v_keep (Tensor, optional): a lower-precision twin of ``v`` (``v_keep.to(v.dtype) == v``,
             the projection v was cast from): read and kept instead of ``v``; ``v`` still gets
             its gradient in its own dtype.
+        block_n, block_m (int, optional): keys and queries a program takes per step (powers of
+            two, 16 or more); default by head dim (:func:`~linattn_mm.ops.dispatch.core_launch`).
 
     Returns:
         Tensor: (B, h, N, d), a view of a (B, N, h, d) buffer.
     """
     fn = 'nala_attention_triton'
+    block = core_launch(_padded(q.shape[-1]))[1]
+    block_n, block_m = block_n or block, block_m or block
     if power <= 0:
         raise ValueError(f'{fn}: power must be positive, got {power}')
     has_rope = sin is not None or cos is not None

@@ -23,7 +23,9 @@ to FMA loops. :func:`~linattn_mm.ops.dispatch.triton_dot_precision` compiles the
 cores instead (``'tf32x3'``, ``'tf32'``: the ``PREC`` of every kernel), a switch to measure that on
 a GPU, not a default. Head dims are padded to a power of two ≥ 16 inside the kernel (masked
 loads), so any ``d`` works. Every launch fits its pipeline stages to the device's shared memory
-(:func:`~linattn_mm.ops.dispatch.launch_fitted`).
+(:func:`~linattn_mm.ops.dispatch.launch_fitted`); the warps of a program and the tokens it takes
+per step depend on the head dim (:func:`~linattn_mm.ops.dispatch.core_launch`: at d = 64 more
+warps and smaller blocks, which keep the accumulators out of local memory).
 
 **Training** (:class:`PolarityAttentionTriton`, the autograd Function of the two passes above):
 the forward keeps q, k, v (as they came, in their dtype), the parameters and the small per-head
@@ -42,9 +44,10 @@ features in registers, as in :mod:`linattn_mm.ops.pola.autograd` (same formulas)
 Each tensor of size (B, h, N, d) is read or written once per pass: about 4 reads and 1 write in
 the forward, 6 reads and 3 writes in the backward, against some 40 full-size passes of the eager
 torch Function. ``core='triton'`` on the mixer (inference and training; CUDA only), which
-:func:`linattn_mm.deploy.convert` sets for CUDA inference. With ``TRITON_INTERPRET=1`` the same
-kernels run on CPU tensors through Triton's interpreter, which is how the tests check them (and
-their gradients against the float64 reference) on machines without a GPU.
+:func:`linattn_mm.deploy.convert` sets for CUDA inference (head dims up to 32). With
+``TRITON_INTERPRET=1`` the same kernels run on CPU tensors through Triton's interpreter, which is
+how the tests check them (and their gradients against the float64 reference) on machines without
+a GPU.
 """
 import math
 from typing import Optional, Tuple
@@ -52,8 +55,8 @@ from typing import Optional, Tuple
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
-from ..dispatch import (TRITON_DTYPES, dot_precision, launch_fitted, triton_available,
-                        triton_module)
+from ..dispatch import (TRITON_DTYPES, core_launch, dot_precision, launch_fitted,
+                        triton_available, triton_module)
 
 triton = triton_module()  # Triton ships with the CUDA builds of torch; the torch cores never need it
 if triton is not None:
@@ -346,6 +349,10 @@ def _padded(d):
     return max(16, triton.next_power_of_2(d))
 
 
+def _warps(d):
+    return core_launch(_padded(d))[0]
+
+
 # ------------------------------------------------------------------------------------------------
 # The four launches as operators (``torch.ops.linattn_mm.pola_triton_*``): each is one kernel
 # (plus its output buffers), seen by torch as one operation with its tensors, so that on ``meta``
@@ -377,8 +384,8 @@ def _keys_op(k: torch.Tensor, v: torch.Tensor, pe: Optional[torch.Tensor], p: to
     pe_t = k if pe is None else pe
     launch_fitted(_pola_keys_kernel, (B * h, kv.shape[1]),
         k, v, pe_t, p, p if inv_s is None else inv_s, kv, ks, n, h, chunk, *k.stride(),
-        *v.stride(), *pe_t.stride(), PREC=dot_precision(), D=d, DP=_padded(d), BLOCK_N=block_n,
-        HAS_PE=pe is not None, HAS_SCALE=inv_s is not None)
+        *v.stride(), *pe_t.stride(), PREC=dot_precision(), num_warps=_warps(d), D=d,
+        DP=_padded(d), BLOCK_N=block_n, HAS_PE=pe is not None, HAS_SCALE=inv_s is not None)
     return kv, ks
 
 
@@ -396,7 +403,7 @@ def _queries_op(q: torch.Tensor, w: torch.Tensor, ks: torch.Tensor, p: torch.Ten
     out = q.new_empty(B, N, h, d, dtype=out_dtype)
     launch_fitted(_pola_queries_kernel, (B * h, triton.cdiv(N, block_m)),
         q, w, ks, p, p if inv_s is None else inv_s, out, N, h, eps, *q.stride(), *out.stride(),
-        PREC=dot_precision(), D=d, D_SAME=(d + 1) // 2,
+        PREC=dot_precision(), num_warps=_warps(d), D=d, D_SAME=(d + 1) // 2,
         DP=_padded(d), BLOCK_M=block_m, HAS_SCALE=inv_s is not None)
     return out
 
@@ -431,7 +438,7 @@ def _query_grads_op(q: torch.Tensor, grad: torch.Tensor, w: torch.Tensor, ks: to
     launch_fitted(_pola_query_grad_kernel, (B * h, dw.shape[1]),
         q, grad, w, ks, p, p if inv_s is None else inv_s, dq_t, dw, dm, d_inv, d_pow, N, h,
         chunk, eps, *q.stride(), *grad.stride(), *dq_t.stride(),
-        PREC=dot_precision(), D=d, D_SAME=(d + 1) // 2,
+        PREC=dot_precision(), num_warps=_warps(d), D=d, D_SAME=(d + 1) // 2,
         DP=_padded(d), BLOCK_M=block_m, HAS_SCALE=inv_s is not None)
     return dq, dw, dm, d_inv, d_pow
 
@@ -469,8 +476,8 @@ def _key_grads_op(k: torch.Tensor, v: torch.Tensor, pe: Optional[torch.Tensor], 
     launch_fitted(_pola_key_grad_kernel, (B * h, d_inv.shape[1]),
         k, v, pe_t, p, p if inv_s is None else inv_s, dkv, dm, dk, dv, d_inv, d_pow, n, h, chunk,
         *k.stride(), *v.stride(), *pe_t.stride(), *dk_t.stride(), *dv_t.stride(),
-        PREC=dot_precision(), D=d, DP=_padded(d), BLOCK_N=block_n, HAS_PE=pe is not None,
-        HAS_SCALE=inv_s is not None, WANT_DK=want_dk, WANT_DV=want_dv)
+        PREC=dot_precision(), num_warps=_warps(d), D=d, DP=_padded(d), BLOCK_N=block_n,
+        HAS_PE=pe is not None, HAS_SCALE=inv_s is not None, WANT_DK=want_dk, WANT_DV=want_dv)
     return dk, dv, d_inv, d_pow
 
 
@@ -582,7 +589,7 @@ def _expand_bias(k_bias, shape):
 
 
 def polarity_attention_triton(q, k, v, p, eps=1e-6, temperature=None, k_bias=None,
-                              out_dtype=None, block_n=64, block_m=64):
+                              out_dtype=None, block_n=None, block_m=None):
     """Polarity-aware linear attention with the Triton kernels (see the module docstring), with
     gradients through :class:`PolarityAttentionTriton` when autograd asks for them.
 
@@ -597,11 +604,15 @@ def polarity_attention_triton(q, k, v, p, eps=1e-6, temperature=None, k_bias=Non
         k_bias (Tensor, optional): position encoding added to ``k`` first, broadcastable to
             (B, h, n, d).
         out_dtype (torch.dtype, optional): output dtype; default ``v.dtype``.
+        block_n, block_m (int, optional): keys and queries a program takes per step (powers of
+            two, 16 or more); default by head dim (:func:`~linattn_mm.ops.dispatch.core_launch`).
 
     Returns:
         Tensor: (B, h, N, d), a view of a (B, N, h, d) buffer.
     """
     # q, k, v are checked by the Function
+    block = core_launch(_padded(q.shape[-1]))[1]
+    block_n, block_m = block_n or block, block_m or block
     inv_scale = None if temperature is None else temperature.reciprocal()
     return PolarityAttentionTriton.apply(q, k, v, p, eps, inv_scale, k_bias, out_dtype, block_n,
                                          block_m)
