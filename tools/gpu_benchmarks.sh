@@ -14,6 +14,10 @@
 #                 torch Function and the reference, with the achieved bandwidth and a profile of
 #                 each (the kernels that take the most time)
 #   nala_core     the same for the NaLa core
+#   pola_core64, nala_core64
+#                 the same at head dim 64, one head (Pola-PVT-T's and NaLaFormer-T's first stage),
+#                 where the CUDA conversion keeps the torch core (max_head_dims) until these show
+#                 the Triton cores faster
 #   train_b8      training steps at 800×1344, bf16 autocast, batch 8: Pola-Swin-T, NaLaFormer-T
 #                 and Pola-PVT-T (torch and Triton cores) against the stock Swin-T and PVT-T
 #   train_b1      the same at batch 1
@@ -38,7 +42,7 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python}"
 LIMIT="${PART_LIMIT:-900}"
-ALL=(tests pola_core nala_core train_b8 train_b1 train_profile infer_b8 infer_b1 maskrcnn)
+ALL=(tests pola_core nala_core pola_core64 nala_core64 train_b8 train_b1 train_profile infer_b8 infer_b1 maskrcnn)
 STOCK_SWIN_MRCNN='mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'
 BACKBONES=(swin-t pola-swin-t nalaformer-t pvt-t pola-pvt-t)
 # --log-progress: a part stopped by its time limit shows in its log how far it came
@@ -58,6 +62,11 @@ part_command() {
                 "${GPU[@]}" --dtype bf16 --grid 128x128 256x256 --batch 8 \
                 --impls triton triton-tf32x3 torch reference --compare torch --profile 5 \
                 --json "$out/$part.json" ;;
+        pola_core64|nala_core64)
+            printf '%s\n' "$PY" tools/benchmark.py --mode core --attn "${part%_core64}" \
+                --backward "${GPU[@]}" --dtype bf16 --grid 128x128 256x256 --batch 8 \
+                --heads 1 --head-dims 64 --impls triton torch reference --compare torch \
+                --profile 5 --json "$out/$part.json" ;;
         train_b8|train_b1)
             printf '%s\n' "$PY" tools/benchmark.py --mode train "${BACKBONES[@]}" "${GPU[@]}" \
                 --dtype bf16 --sizes 800x1344 --batch "${part#train_b}" --impls fast triton \

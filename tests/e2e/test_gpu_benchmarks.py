@@ -16,8 +16,8 @@ import pytest
 import torch
 
 SCRIPT = 'tools/gpu_benchmarks.sh'
-PARTS = ['tests', 'pola_core', 'nala_core', 'train_b8', 'train_b1', 'train_profile', 'infer_b8',
-         'infer_b1', 'maskrcnn']
+PARTS = ['tests', 'pola_core', 'nala_core', 'pola_core64', 'nala_core64', 'train_b8', 'train_b1',
+         'train_profile', 'infer_b8', 'infer_b1', 'maskrcnn']
 STOCK_MRCNN = 'mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'
 
 
@@ -135,7 +135,7 @@ def test_inference(part, tmp_path):
             assert re.search(rf'^{name}\s.*\b{impl}\b', out, re.M), (name, impl, out[-3000:])
 
 
-@pytest.mark.parametrize('part', ['pola_core', 'nala_core'])
+@pytest.mark.parametrize('part', ['pola_core', 'nala_core', 'pola_core64', 'nala_core64'])
 def test_cores(part, tmp_path):
     """The Triton kernels need CUDA (their interpreter runs are in tests/kernels): here the torch
     Function against the reference, forward and backward."""
@@ -143,6 +143,8 @@ def test_cores(part, tmp_path):
                        impls=['torch', 'reference'], compare='reference', warmup='0',
                        repeats='1'), tmp_path)
     assert re.search(r'^  torch vs reference: [\d.]+x$', out, re.M), out[-3000:]
+    heads, dims = ('h1', 'd64') if part.endswith('64') else ('h3', 'd32')
+    assert f'-core-{heads}-{dims}-train reference B1 8x8 fp32' in out, out[-3000:]
     # the profile of each core after the measurements (here of CPU operations)
     for impl in ('torch', 'reference'):
         assert f'# profile of {impl}, 5 calls, 8x8:' in out
