@@ -795,7 +795,7 @@ def _main(args):
     if 'triton-tf32x3' in args.impls and args.mode != 'core':
         raise SystemExit('--impls triton-tf32x3 (the Triton core with its products on the tensor '
                          'cores) is an implementation of --mode core')
-    if args.profile and args.device == 'meta':
+    if args.profile and torch.device(args.device).type == 'meta':
         raise SystemExit('--profile times operations and kernels: not on --device meta, which '
                          'computes nothing')
     if args.list:

@@ -28,8 +28,8 @@
 #   infer_b1      the same at batch 1
 #   maskrcnn      a Mask R-CNN training iteration, batch 2, 1333×800, float32: the Pola-Swin-T
 #                 and NaLaFormer-T configs (torch and Triton cores) against the stock Swin-T config
-#                 (MMCV_OPS=torchvision: NMS and RoIAlign on torchvision's kernels, for an mmcv built
-#                 without its CUDA ops)
+#                 (MMCV_OPS=torchvision: NMS and RoIAlign on torchvision's kernels, for an mmcv
+#                 built without its CUDA ops)
 #
 # The first training steps on the Triton cores compile their kernels: on an H200 about 10 s for
 # Pola-Swin-T and 80 s for NaLaFormer-T (its head dim 64 with the RoPE), within the warm-up.
@@ -42,7 +42,8 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python}"
 LIMIT="${PART_LIMIT:-900}"
-ALL=(tests pola_core nala_core pola_core64 nala_core64 train_b8 train_b1 train_profile infer_b8 infer_b1 maskrcnn)
+ALL=(tests pola_core nala_core pola_core64 nala_core64 train_b8 train_b1 train_profile
+     infer_b8 infer_b1 maskrcnn)
 STOCK_SWIN_MRCNN='mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'
 BACKBONES=(swin-t pola-swin-t nalaformer-t pvt-t pola-pvt-t)
 # --log-progress: a part stopped by its time limit shows in its log how far it came

@@ -16,7 +16,8 @@ import torch
 
 __all__ = ['CORES', 'check_core', 'TRITON_DTYPES', 'triton_module', 'triton_available',
            'TRITON_FAILURES', 'note_triton_failure', 'launch_fitted', 'shared_memory_limit',
-           'DOT_PRECISIONS', 'dot_precision', 'triton_dot_precision', 'core_launch']
+           'DOT_PRECISIONS', 'dot_precision', 'triton_dot_precision', 'core_launch',
+           'padded_head_dims']
 
 #: the names of the attention cores of the linear families
 CORES = ('reference', 'fast', 'triton')
@@ -71,19 +72,27 @@ def note_triton_failure(owner, exc):
                   f'error)', stacklevel=3)
 
 
+def padded_head_dims(d):
+    """The head dim ``d`` the Triton kernels pad to: a power of two, at least 16."""
+    return max(16, 1 << (int(d) - 1).bit_length())
+
+
 def core_launch(DP):
-    """``(num_warps, block)`` of the Pola and NaLa cores' kernels at padded head dim ``DP``: the
-    warps of a program and the tokens it takes per step (the keys' and queries' blocks).
+    """``(num_warps, block)`` of the Pola and NaLa cores' kernels at padded head dim ``DP``
+    (:func:`padded_head_dims`): the warps of a program and the tokens it takes per step (the
+    keys' and queries' blocks; blocks given to a core function replace the latter, the warps still
+    follow the head dim).
 
     A program holds (DP × DP) float32 accumulators; Triton lowers their float32 products to FMA
-    loops whose operands live in registers. Compiled for ``sm_90`` (``ptxas -v``), the kernels at
-    DP = 64 with 4 warps and blocks of 64 tokens spilled 2 to 70 KB per thread to local memory in
-    all four passes (the torch core was faster there on an H200); with 8 warps and blocks of 16
-    six of the eight kernels spill nothing and the other two 84 and 556 bytes, and each needs at
-    most half the shared memory of the old launch but one (the NaLa query gradients: 110 KB
-    instead of 194). Up to DP = 32 the launch stays as it was measured on the H200
-    (4 warps, blocks of 64; its forward kernels spill nothing). Not measured on a GPU yet at
-    DP = 64."""
+    loops whose operands live in registers. Assembled for ``sm_90`` (``ptxas -v``, bf16 inputs,
+    Pola with its position encoding and temperature, NaLa with the RoPE), the kernels at DP = 64
+    with 4 warps and blocks of 64 tokens (NaLa's gradients and keys with 8 warps) spilled about 2
+    to 50 KB per thread to local memory in each of the eight kernels (the torch core was faster
+    there on an H200); with 8 warps and
+    blocks of 16, six of the eight spill nothing and the other two 84 and 556 bytes (float32
+    inputs: up to about 1.6 KB), and most need half the shared memory or less. Up to DP = 32 the
+    launch stays as it was measured on the H200 (4 warps, blocks of 64). DP = 128 takes the launch
+    of 64 unchecked. Not measured on a GPU yet at DP = 64."""
     return (4, 64) if DP <= 32 else (8, 16)
 
 

@@ -331,9 +331,13 @@ def test_core_profile(capsys):
     assert counts == ['3']  # the forward Function once per call
 
 
-def test_training_step_profile(capsys):
+def test_training_step_profile(capsys, monkeypatch):
     # --profile N in the other modes: N training steps of each target and implementation under
-    # the profiler after the timings (on CPU: torch's operators and the autograd Functions)
+    # the profiler after the timings (on CPU: torch's operators and the autograd Functions); the
+    # whole tables here (the tool prints the 12 rows that took the most time)
+    table = TOOL['profile_table']
+    monkeypatch.setitem(TOOL['main'].__globals__, 'profile_table',
+                        lambda fn, device, calls: table(fn, device, calls, rows=1000))
     TOOL['main'](['--mode', 'train', 'pola-pvt-t', 'pvt-t', '--sizes', '32', '--impls', 'fast',
                   'reference', '--warmup', '0', '--repeats', '1', '--profile', '2'])
     out = capsys.readouterr().out

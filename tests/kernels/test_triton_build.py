@@ -89,7 +89,7 @@ def _error_need(message, kernels, limit):
 @pytest.mark.parametrize('arch', sorted(GPUS))
 def test_every_launch_fits_the_shared_memory(builds, arch):
     cases = _cases(builds[arch])
-    assert len(cases) == 10
+    assert len(cases) == 12
     failed = set()
     for case, launches in cases.items():
         family = case.split()[0]
@@ -116,17 +116,18 @@ def test_hopper_and_the_a100_keep_every_stage(builds):
     for arch in (90, 80):
         launches = {(case, name): stages for case, name, stages, *_ in builds[arch]
                     if not case.endswith('tf32x3')}
-        assert len(launches) == 32 and set(launches.values()) == {3}, (arch, launches)
+        assert len(launches) == 40 and set(launches.values()) == {3}, (arch, launches)
 
 
 def test_the_stages_docs_benchmarks_gives(builds):
     # docs/benchmarks.md, "On a GPU: NVIDIA H200 (version 0.6.11)": on 99 KB cards the NaLa
     # gradient passes at d = 64 with the RoPE run with one and two stages (in 0.6.10 the query
-    # gradients did not fit there at all) and its query gradients at d = 32 with two, every
-    # other kernel with float32 products with three
+    # gradients did not fit there at all), its query gradients at d = 32 and, with bf16 inputs,
+    # at d = 64 with two, every other kernel with float32 products with three
     stages = {(case, name): launch[0] for case, name, *launch in builds[86]
               if name != 'error' and not case.endswith('tf32x3')}
     assert stages.pop(('nala d32 fp32 rope', '_nala_query_grad_kernel')) == 2
+    assert stages.pop(('nala d64 bf16 rope', '_nala_query_grad_kernel')) == 2
     assert stages.pop(('nala d64 fp32 rope', '_nala_query_grad_kernel')) == 1
     assert stages.pop(('nala d64 fp32 rope', '_nala_key_grad_kernel')) == 2
     assert set(stages.values()) == {3}, stages
@@ -147,14 +148,21 @@ def test_a_kernel_that_cannot_fit_is_named(builds):
 
 def test_head_dim_64_kernels_keep_their_accumulators_in_registers(builds):
     # ptxas -v on Hopper, float32 products: with 0.6.10's launch (4 warps, blocks of 64 tokens)
-    # the kernels at d = 64 spilled 2 to 70 KB per thread to local memory (bf16 inputs); with
-    # core_launch's 8 warps and blocks of 16 none spills more than 2 KB, and the forward kernels
-    # (the inference path) at every head dim at most 512 bytes
+    # each kernel at d = 64 spilled about 2 to 50 KB per thread to local memory (bf16 inputs with
+    # the position encoding and temperature, or the RoPE); with core_launch's 8 warps and blocks
+    # of 16 none spills more than 2 KB, those with bf16 and the extras at most 1 KB (84 and 556
+    # bytes in docs/benchmarks.md), and the forward kernels (the inference path) at every head
+    # dim at most 512 bytes
     spills = {(case, name): launch[2] for case, name, *launch in builds[90]
               if name != 'error' and not case.endswith('tf32x3')}
-    assert len(spills) == 32 and all(isinstance(v, int) for v in spills.values()), spills
+    if any(v is None for v in spills.values()):
+        pytest.skip("this Triton's ptxas was not found")
+    assert len(spills) == 40, spills
     d64 = {k: v for k, v in spills.items() if ' d64 ' in k[0]}
-    assert len(d64) == 16 and max(d64.values()) <= 2048, d64
+    assert len(d64) == 24 and max(d64.values()) <= 2048, d64
+    documented = {k: v for k, v in d64.items()
+                  if k[0] in ('pola d64 bf16 pe+temperature', 'nala d64 bf16 rope')}
+    assert len(documented) == 8 and max(documented.values()) <= 1024, documented
     forward = {k: v for k, v in spills.items() if k[1].endswith(('_keys_kernel',
                                                                    '_queries_kernel'))}
-    assert len(forward) == 16 and max(forward.values()) <= 512, forward
+    assert len(forward) == 20 and max(forward.values()) <= 512, forward

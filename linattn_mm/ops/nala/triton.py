@@ -50,7 +50,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..common import kept_input
-from ..dispatch import core_launch, dot_precision, launch_fitted
+from ..dispatch import core_launch, dot_precision, launch_fitted, padded_head_dims
 from ..pola.triton import (_LIB, _padded, _partials, _split, check_qkv, register_dot_flops,
                           triton)
 from .fast import _rot_rows
@@ -536,7 +536,7 @@ def nala_attention_triton(q, k, v, power=3., eps=1e-6, sin=None, cos=None, out_d
         Tensor: (B, h, N, d), a view of a (B, N, h, d) buffer.
     """
     fn = 'nala_attention_triton'
-    block = core_launch(_padded(q.shape[-1]))[1]
+    block = core_launch(padded_head_dims(q.shape[-1]))[1]  # (Triton may be missing)
     block_n, block_m = block_n or block, block_m or block
     if power <= 0:
         raise ValueError(f'{fn}: power must be positive, got {power}')

@@ -56,7 +56,7 @@ import torch
 from torch.utils.flop_counter import register_flop_formula
 
 from ..dispatch import (TRITON_DTYPES, core_launch, dot_precision, launch_fitted,
-                        triton_available, triton_module)
+                        padded_head_dims, triton_available, triton_module)
 
 triton = triton_module()  # Triton ships with the CUDA builds of torch; the torch cores never need it
 if triton is not None:
@@ -611,7 +611,7 @@ def polarity_attention_triton(q, k, v, p, eps=1e-6, temperature=None, k_bias=Non
         Tensor: (B, h, N, d), a view of a (B, N, h, d) buffer.
     """
     # q, k, v are checked by the Function
-    block = core_launch(_padded(q.shape[-1]))[1]
+    block = core_launch(padded_head_dims(q.shape[-1]))[1]  # (Triton may be missing)
     block_n, block_m = block_n or block, block_m or block
     inv_scale = None if temperature is None else temperature.reciprocal()
     return PolarityAttentionTriton.apply(q, k, v, p, eps, inv_scale, k_bias, out_dtype, block_n,
