@@ -482,6 +482,12 @@ def _runner(fn, device, autocast_dtype):
     return run
 
 
+def _as_run(fn, device, autocast_dtype):
+    """The call a variant times: a training step (``fn.train``) as it is, a forward under
+    :func:`_runner`."""
+    return fn if getattr(fn, 'train', False) else _runner(fn, device, autocast_dtype)
+
+
 def _train_autocast(device, autocast_dtype):
     """The autocast of a training step's forward: none (``autocast_dtype`` None), CUDA's on
     ``meta`` tensors, or ``torch.autocast`` of the device."""
@@ -602,8 +608,7 @@ def measure_interleaved(variants, device, warmup, repeats, autocast_dtype, count
         dict: name -> (median s, times, output of the memory run, peak bytes, method, number
         counts of :func:`count_operations` or None).
     """
-    runs = [(name, act, fn if getattr(fn, 'train', False) else _runner(fn, device, autocast_dtype))
-            for name, act, fn in variants]
+    runs = [(name, act, _as_run(fn, device, autocast_dtype)) for name, act, fn in variants]
     note = note or (lambda line: None)
     for name, act, run in runs:
         t0 = time.perf_counter()
@@ -1006,7 +1011,7 @@ def _main(args):
             if args.profile:  # each variant's calls under torch.profiler, after the timings
                 for key, act, fn in variants:
                     act()
-                    run = fn if getattr(fn, 'train', False) else _runner(fn, device, ac)
+                    run = _as_run(fn, device, ac)
                     emit(bar, f'# profile of {key}, {args.profile} calls, {hw[0]}x{hw[1]}:\n'
                               + profile_table(run, device, args.profile))
             del meas, variants

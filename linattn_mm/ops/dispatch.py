@@ -77,11 +77,11 @@ def padded_head_dims(d):
     return max(16, 1 << (int(d) - 1).bit_length())
 
 
-def core_launch(DP):
-    """``(num_warps, block)`` of the Pola and NaLa cores' kernels at padded head dim ``DP``
-    (:func:`padded_head_dims`): the warps of a program and the tokens it takes per step (the
-    keys' and queries' blocks; blocks given to a core function replace the latter, the warps still
-    follow the head dim).
+def core_launch(d):
+    """``(num_warps, block)`` of the Pola and NaLa cores' kernels at head dim ``d`` (by its padded
+    dim ``DP``, :func:`padded_head_dims`): the warps of a program and the tokens it takes per step
+    (the keys' and queries' blocks; blocks given to a core function replace the latter, the warps
+    still follow the head dim).
 
     A program holds (DP × DP) float32 accumulators; Triton lowers their float32 products to FMA
     loops whose operands live in registers. Assembled for ``sm_90`` (``ptxas -v``, bf16 inputs,
@@ -93,7 +93,7 @@ def core_launch(DP):
     inputs: up to about 1.6 KB), and most need half the shared memory or less. Up to DP = 32 the
     launch stays as it was measured on the H200 (4 warps, blocks of 64). DP = 128 takes the launch
     of 64 unchecked. Not measured on a GPU yet at DP = 64."""
-    return (4, 64) if DP <= 32 else (8, 16)
+    return (4, 64) if padded_head_dims(d) <= 32 else (8, 16)
 
 
 #: pipeline stages chosen by :func:`launch_fitted`, per kernel, launch options, device and the

@@ -12,6 +12,7 @@ several head dims, dtypes and options, two of them with the products on the tens
 a JSON list, one entry per kernel launched: ``[case, kernel, stages, shared bytes, spill stores
 in bytes or None]``, or ``[case, 'error', message]`` for a case that raised.
 """
+import functools
 import json
 import os
 import re
@@ -53,6 +54,7 @@ LAUNCHED = []
 _run = JITFunction.run
 
 
+@functools.lru_cache(maxsize=None)
 def _ptxas():
     """The ``ptxas`` Triton compiles with (``TRITON_PTXAS_PATH`` or the one it ships), or None."""
     try:

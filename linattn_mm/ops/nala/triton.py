@@ -50,7 +50,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..common import kept_input
-from ..dispatch import core_launch, dot_precision, launch_fitted, padded_head_dims
+from ..dispatch import core_launch, dot_precision, launch_fitted
 from ..pola.triton import (_LIB, _padded, _partials, _split, check_qkv, register_dot_flops,
                           triton)
 from .fast import _rot_rows
@@ -311,14 +311,6 @@ if triton is not None:
                          dk.to(DK.dtype.element_ty), mask=m)
 
 
-
-def _launch_options(DP):
-    """Warps of a launch (:func:`~linattn_mm.ops.dispatch.core_launch`: 8 at DP >= 64, where a
-    program holds up to four (DP x DP) float32 accumulators with the RoPE). The pipeline stages
-    are fitted to the device's shared memory by :func:`~linattn_mm.ops.dispatch.launch_fitted`."""
-    return {'num_warps': core_launch(DP)[0]}
-
-
 # ------------------------------------------------------------------------------------------------
 # The four launches as operators (``torch.ops.linattn_mm.nala_triton_*``, as Pola's): one
 # operation each, with fake forms for ``meta`` tensors.
@@ -353,7 +345,7 @@ def _keys_op(k: torch.Tensor, v: torch.Tensor, sin: Optional[torch.Tensor],
         k, v, sin_t, cos_t, acc, ks, n, h, chunk, lam, *k.stride(), *v.stride(), *rs,
         PREC=dot_precision(), D=d, DP=DP,
         BLOCK_N=block_n, HAS_ROPE=sin is not None, CUBE=lam == 3.0,
-        **_launch_options(DP))
+        num_warps=core_launch(d)[0])
     return acc, ks
 
 
@@ -373,7 +365,7 @@ def _queries_op(q: torch.Tensor, w: torch.Tensor, km: torch.Tensor, sin: Optiona
     launch_fitted(_nala_queries_kernel, (B * h, triton.cdiv(N, block_m)),
         q, w, km, sin_t, cos_t, out, N, h, lam, eps, *q.stride(), *out.stride(), *rs,
         PREC=dot_precision(), D=d, DP=_padded(d), BLOCK_M=block_m, HAS_ROPE=sin is not None,
-        **_launch_options(_padded(d)))
+        num_warps=core_launch(d)[0])
     return out
 
 
@@ -407,7 +399,7 @@ def _query_grads_op(q: torch.Tensor, grad: torch.Tensor, w: torch.Tensor, km: to
     launch_fitted(_nala_query_grad_kernel, (B * h, dw.shape[1]),
         q, grad, w, km, sin_t, cos_t, dq_t, dw, dkm, N, h, chunk, lam, eps, *q.stride(),
         *grad.stride(), *dq_t.stride(), *rs, PREC=dot_precision(), D=d, DP=DP, BLOCK_M=block_m,
-        HAS_ROPE=sin is not None, **_launch_options(DP))
+        HAS_ROPE=sin is not None, num_warps=core_launch(d)[0])
     return dq, dw, dkm
 
 
@@ -441,7 +433,7 @@ def _key_grads_op(k: torch.Tensor, v: torch.Tensor, sin: Optional[torch.Tensor],
         k, v, sin_t, cos_t, c, dks, dk, dv, n, h, chunk, lam, *k.stride(), *v.stride(),
         *dk_t.stride(), *dv_t.stride(), *rs, PREC=dot_precision(), D=d, DP=DP, BLOCK_N=block_n,
         HAS_ROPE=sin is not None, CUBE=lam == 3.0, WANT_DK=want_dk, WANT_DV=want_dv,
-        **_launch_options(DP))
+        num_warps=core_launch(d)[0])
     return dk, dv
 
 
@@ -536,7 +528,7 @@ def nala_attention_triton(q, k, v, power=3., eps=1e-6, sin=None, cos=None, out_d
         Tensor: (B, h, N, d), a view of a (B, N, h, d) buffer.
     """
     fn = 'nala_attention_triton'
-    block = core_launch(padded_head_dims(q.shape[-1]))[1]  # (Triton may be missing)
+    block = core_launch(q.shape[-1])[1]
     block_n, block_m = block_n or block, block_m or block
     if power <= 0:
         raise ValueError(f'{fn}: power must be positive, got {power}')

@@ -345,12 +345,7 @@ def _same_columns(d, DP, device):
     return (torch.arange(DP, device=device) < (d + 1) // 2).view(1, DP)
 
 
-def _padded(d):
-    return max(16, triton.next_power_of_2(d))
-
-
-def _warps(d):
-    return core_launch(_padded(d))[0]
+_padded = padded_head_dims
 
 
 # ------------------------------------------------------------------------------------------------
@@ -384,7 +379,7 @@ def _keys_op(k: torch.Tensor, v: torch.Tensor, pe: Optional[torch.Tensor], p: to
     pe_t = k if pe is None else pe
     launch_fitted(_pola_keys_kernel, (B * h, kv.shape[1]),
         k, v, pe_t, p, p if inv_s is None else inv_s, kv, ks, n, h, chunk, *k.stride(),
-        *v.stride(), *pe_t.stride(), PREC=dot_precision(), num_warps=_warps(d), D=d,
+        *v.stride(), *pe_t.stride(), PREC=dot_precision(), num_warps=core_launch(d)[0], D=d,
         DP=_padded(d), BLOCK_N=block_n, HAS_PE=pe is not None, HAS_SCALE=inv_s is not None)
     return kv, ks
 
@@ -403,7 +398,7 @@ def _queries_op(q: torch.Tensor, w: torch.Tensor, ks: torch.Tensor, p: torch.Ten
     out = q.new_empty(B, N, h, d, dtype=out_dtype)
     launch_fitted(_pola_queries_kernel, (B * h, triton.cdiv(N, block_m)),
         q, w, ks, p, p if inv_s is None else inv_s, out, N, h, eps, *q.stride(), *out.stride(),
-        PREC=dot_precision(), num_warps=_warps(d), D=d, D_SAME=(d + 1) // 2,
+        PREC=dot_precision(), num_warps=core_launch(d)[0], D=d, D_SAME=(d + 1) // 2,
         DP=_padded(d), BLOCK_M=block_m, HAS_SCALE=inv_s is not None)
     return out
 
@@ -438,7 +433,7 @@ def _query_grads_op(q: torch.Tensor, grad: torch.Tensor, w: torch.Tensor, ks: to
     launch_fitted(_pola_query_grad_kernel, (B * h, dw.shape[1]),
         q, grad, w, ks, p, p if inv_s is None else inv_s, dq_t, dw, dm, d_inv, d_pow, N, h,
         chunk, eps, *q.stride(), *grad.stride(), *dq_t.stride(),
-        PREC=dot_precision(), num_warps=_warps(d), D=d, D_SAME=(d + 1) // 2,
+        PREC=dot_precision(), num_warps=core_launch(d)[0], D=d, D_SAME=(d + 1) // 2,
         DP=_padded(d), BLOCK_M=block_m, HAS_SCALE=inv_s is not None)
     return dq, dw, dm, d_inv, d_pow
 
@@ -476,7 +471,7 @@ def _key_grads_op(k: torch.Tensor, v: torch.Tensor, pe: Optional[torch.Tensor], 
     launch_fitted(_pola_key_grad_kernel, (B * h, d_inv.shape[1]),
         k, v, pe_t, p, p if inv_s is None else inv_s, dkv, dm, dk, dv, d_inv, d_pow, n, h, chunk,
         *k.stride(), *v.stride(), *pe_t.stride(), *dk_t.stride(), *dv_t.stride(),
-        PREC=dot_precision(), num_warps=_warps(d), D=d, DP=_padded(d), BLOCK_N=block_n,
+        PREC=dot_precision(), num_warps=core_launch(d)[0], D=d, DP=_padded(d), BLOCK_N=block_n,
         HAS_PE=pe is not None, HAS_SCALE=inv_s is not None, WANT_DK=want_dk, WANT_DV=want_dv)
     return dk, dv, d_inv, d_pow
 
@@ -611,7 +606,7 @@ def polarity_attention_triton(q, k, v, p, eps=1e-6, temperature=None, k_bias=Non
         Tensor: (B, h, N, d), a view of a (B, N, h, d) buffer.
     """
     # q, k, v are checked by the Function
-    block = core_launch(padded_head_dims(q.shape[-1]))[1]  # (Triton may be missing)
+    block = core_launch(q.shape[-1])[1]
     block_n, block_m = block_n or block, block_m or block
     inv_scale = None if temperature is None else temperature.reciprocal()
     return PolarityAttentionTriton.apply(q, k, v, p, eps, inv_scale, k_bias, out_dtype, block_n,
