@@ -660,10 +660,11 @@ def parse_args(argv=None):
     p.add_argument('--warmup', type=int, default=2)
     p.add_argument('--repeats', type=int, default=5, help='timed forwards; median reported')
     p.add_argument('--threads', type=int, default=None, help='torch CPU threads')
-    p.add_argument('--impls', nargs='+', choices=POLA_IMPLS + ('triton-tf32x3',),
+    p.add_argument('--impls', nargs='+', choices=POLA_IMPLS + TRITON_VARIANTS,
                    default=['fast'], help='Pola mixer implementations to run for every target '
                    '(--mode core: cores; triton-tf32x3 is the Triton core with its products on '
-                   'the tensor cores)')
+                   'the tensor cores, triton-w4b64 with its gradient passes launched as up to '
+                   '0.6.11 at head dims up to 32)')
     p.add_argument('--compare', nargs='+', default=None,
                    help="baselines for time ratios: 'BASE' (a target or an implementation name, "
                    "for every other result) or 'TARGET:BASE' (one pair)")
@@ -797,9 +798,10 @@ def _progress_note(args):
 
 def _main(args):
     note = _progress_note(args)
-    if 'triton-tf32x3' in args.impls and args.mode != 'core':
-        raise SystemExit('--impls triton-tf32x3 (the Triton core with its products on the tensor '
-                         'cores) is an implementation of --mode core')
+    variants = [impl for impl in args.impls if impl in TRITON_VARIANTS]
+    if variants and args.mode != 'core':
+        raise SystemExit(f'--impls {variants[0]} (the Triton core run another way) is an '
+                         f'implementation of --mode core')
     if args.profile and torch.device(args.device).type == 'meta':
         raise SystemExit('--profile times operations and kernels: not on --device meta, which '
                          'computes nothing')
@@ -1098,23 +1100,32 @@ def _main(args):
     return results
 
 
-CORE_IMPLS = ('triton', 'triton-tf32x3', 'torch', 'reference')
+CORE_IMPLS = ('triton', 'triton-tf32x3', 'triton-w4b64', 'torch', 'reference')
+
+#: the Triton cores run another way (``--mode core`` only): ``triton-tf32x3`` with their products
+#: on the tensor cores (``ops.dispatch.triton_dot_precision``), ``triton-w4b64`` with the gradient
+#: passes launched as up to version 0.6.11 at head dims up to 32, 4 warps and blocks of 64 tokens
+#: (``ops.dispatch.triton_core_launch``), to compare with the default launch
+TRITON_VARIANTS = ('triton-tf32x3', 'triton-w4b64')
+
+#: ``--mode core`` implementation -> the core name of :mod:`linattn_mm.ops`
+CORE_NAMES = {'triton': 'triton', 'triton-tf32x3': 'triton', 'triton-w4b64': 'triton',
+              'torch': 'fast', 'reference': 'reference'}
 
 
-#: ``--mode core`` implementation -> the core name of :mod:`linattn_mm.ops` (``triton-tf32x3``:
-#: the Triton core with its products on the tensor cores, ``ops.dispatch.triton_dot_precision``)
-CORE_NAMES = {'triton': 'triton', 'triton-tf32x3': 'triton', 'torch': 'fast',
-              'reference': 'reference'}
-
-
-def _in_dot_precision(impl, fn):
-    """``fn`` run with the Triton products of ``impl`` (``triton-tf32x3``: tf32x3)."""
-    if not impl.endswith('-tf32x3'):
+def _in_triton_variant(impl, fn):
+    """``fn`` run with the Triton settings of ``impl`` (:data:`TRITON_VARIANTS`), forward and
+    backward."""
+    if impl not in TRITON_VARIANTS:
         return fn
-    from linattn_mm.ops.dispatch import triton_dot_precision
+    from linattn_mm.ops.dispatch import triton_core_launch, triton_dot_precision
+    def setting():
+        if impl == 'triton-tf32x3':
+            return triton_dot_precision('tf32x3')
+        return triton_core_launch(backward=(4, 64))
 
     def run():
-        with triton_dot_precision('tf32x3'):
+        with setting():
             return fn()
     run.train = getattr(fn, 'train', False)
     return run
@@ -1228,7 +1239,7 @@ def run_core(args, device, note=None):
             for t in leaves:
                 t.requires_grad_()
             fns = [_core_step(fn, leaves, args.seed) for fn in fns]
-        fns = [_in_dot_precision(impl, fn) for impl, fn in zip(impls, fns)]
+        fns = [_in_triton_variant(impl, fn) for impl, fn in zip(impls, fns)]
         variants = [(impl, lambda: None, fn) for impl, fn in zip(impls, fns)]
         meas = measure_interleaved(variants, device, args.warmup, args.repeats, None,
                                    note=note)

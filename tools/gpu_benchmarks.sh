@@ -10,9 +10,10 @@
 #   tests         the CUDA tests: the Triton cores compiled and checked against the float64
 #                 reference, the CUDA training forms, autocast, the inference conversion
 #   pola_core     the Pola core alone, forward and backward, bf16, 128² and 256² tokens, batch 8:
-#                 Triton (its products in float32 and on the tensor cores, tf32x3) against the
-#                 torch Function and the reference, with the achieved bandwidth and a profile of
-#                 each (the kernels that take the most time)
+#                 Triton (its products in float32 and on the tensor cores, tf32x3; and its
+#                 gradient passes launched as up to 0.6.11, w4b64) against the torch Function and
+#                 the reference, with the achieved bandwidth and a profile of each (the kernels
+#                 that take the most time)
 #   nala_core     the same for the NaLa core
 #   pola_core64, nala_core64
 #                 the same at head dim 64, one head (Pola-PVT-T's and NaLaFormer-T's first stage),
@@ -61,8 +62,8 @@ part_command() {
         pola_core|nala_core)
             printf '%s\n' "$PY" tools/benchmark.py --mode core --attn "${part%_core}" --backward \
                 "${GPU[@]}" --dtype bf16 --grid 128x128 256x256 --batch 8 \
-                --impls triton triton-tf32x3 torch reference --compare torch --profile 5 \
-                --json "$out/$part.json" ;;
+                --impls triton triton-tf32x3 triton-w4b64 torch reference --compare torch \
+                --profile 5 --json "$out/$part.json" ;;
         pola_core64|nala_core64)
             printf '%s\n' "$PY" tools/benchmark.py --mode core --attn "${part%_core64}" \
                 --backward "${GPU[@]}" --dtype bf16 --grid 128x128 256x256 --batch 8 \

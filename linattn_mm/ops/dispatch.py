@@ -17,7 +17,7 @@ import torch
 __all__ = ['CORES', 'check_core', 'TRITON_DTYPES', 'triton_module', 'triton_available',
            'TRITON_FAILURES', 'note_triton_failure', 'launch_fitted', 'shared_memory_limit',
            'DOT_PRECISIONS', 'dot_precision', 'triton_dot_precision', 'core_launch',
-           'padded_head_dims']
+           'CORE_LAUNCHES', 'core_blocks', 'triton_core_launch', 'padded_head_dims']
 
 #: the names of the attention cores of the linear families
 CORES = ('reference', 'fast', 'triton')
@@ -77,23 +77,79 @@ def padded_head_dims(d):
     return max(16, 1 << (int(d) - 1).bit_length())
 
 
-def core_launch(d):
-    """``(num_warps, block)`` of the Pola and NaLa cores' kernels at head dim ``d`` (by its padded
-    dim ``DP``, :func:`padded_head_dims`): the warps of a program and the tokens it takes per step
-    (the keys' and queries' blocks; blocks given to a core function replace the latter, the warps
-    still follow the head dim).
+#: ``(num_warps, block)`` of the cores' kernels by phase (``'forward'``: the keys' and queries'
+#: passes, also those of inference; ``'backward'``: the gradient passes), for padded head dims up
+#: to 32 and above (see :func:`core_launch`)
+CORE_LAUNCHES = {'forward': ((4, 64), (8, 16)), 'backward': ((8, 32), (8, 16))}
+# a stack of overrides for the whole process (the backward of CUDA autograd runs on a thread of
+# its own), see :func:`triton_core_launch`
+_LAUNCH_OVERRIDES = [{}]
+
+
+def core_launch(d, phase='forward'):
+    """``(num_warps, block)`` of the Pola and NaLa cores' kernels of ``phase`` (``'forward'`` or
+    ``'backward'``) at head dim ``d`` (by its padded dim ``DP``, :func:`padded_head_dims`;
+    :data:`CORE_LAUNCHES`): the warps of a program and the tokens it takes per step (blocks given
+    to a core function replace the latter in both phases; the warps still follow the head dim).
 
     A program holds (DP × DP) float32 accumulators; Triton lowers their float32 products to FMA
-    loops whose operands live in registers. Assembled for ``sm_90`` (``ptxas -v``, bf16 inputs,
-    Pola with its position encoding and temperature, NaLa with the RoPE), the kernels at DP = 64
-    with 4 warps and blocks of 64 tokens (NaLa's gradients and keys with 8 warps) spilled about 2
-    to 50 KB per thread to local memory in each of the eight kernels (the torch core was faster
-    there on an H200); with 8 warps and
-    blocks of 16, six of the eight spill nothing and the other two 84 and 556 bytes (float32
-    inputs: up to about 1.6 KB), and most need half the shared memory or less. Up to DP = 32 the
-    launch stays as it was measured on the H200 (4 warps, blocks of 64). DP = 128 takes the launch
-    of 64 unchecked. Not measured on a GPU yet at DP = 64."""
-    return (4, 64) if padded_head_dims(d) <= 32 else (8, 16)
+    loops whose operands live in registers. Assembled for ``sm_90`` (``ptxas -v``, Pola with its
+    position encoding and temperature, NaLa with the RoPE):
+
+    - DP = 64: with 4 warps and blocks of 64 tokens (NaLa's gradients and keys with 8 warps) each
+      of the eight kernels spilled about 2 to 50 KB per thread to local memory with bf16 inputs
+      (the torch core was faster there on an H200); with 8 warps and blocks of 16, six of the
+      eight spill nothing and the other two 84 and 556 bytes (float32 inputs: up to about 1.6 KB),
+      and most need half the shared memory or less (since 0.6.11).
+    - DP <= 32, gradient passes: with 4 warps and blocks of 64 the Pola query gradients spill
+      1948 bytes per thread with bf16 inputs and 10228 with float32 inputs (ptxas leaves that
+      kernel 32 registers), NaLa's query and key gradients 1928 and 716 bytes (bf16), 1800 and
+      10752 (float32); with 8 warps and blocks of 32 none spills and each needs about half the
+      shared memory (since 0.6.12).
+    - DP <= 32, forward passes: 4 warps and blocks of 64, the launch measured on the H200 (at most
+      64 bytes of spills with bf16 inputs).
+
+    DP = 128 takes the launch of 64 unchecked. Not measured on a GPU yet: the launches of DP = 64
+    and the gradient passes' of DP <= 32 (:func:`triton_core_launch` sets others for a
+    comparison)."""
+    if phase not in CORE_LAUNCHES:
+        raise ValueError(f'core_launch: phase must be one of {tuple(CORE_LAUNCHES)}, got '
+                         f'{phase!r}')
+    override = _LAUNCH_OVERRIDES[-1].get(phase)
+    if override is not None:
+        return override
+    small, large = CORE_LAUNCHES[phase]
+    return small if padded_head_dims(d) <= 32 else large
+
+
+def core_blocks(d, phase, block_n=None, block_m=None):
+    """The keys' and queries' blocks of ``phase`` at head dim ``d``: those given, else
+    :func:`core_launch`'s."""
+    block = core_launch(d, phase)[1]
+    return block_n or block, block_m or block
+
+
+@contextlib.contextmanager
+def triton_core_launch(forward=None, backward=None):
+    """Within the block, the Triton cores' kernels of each phase given launch with that
+    ``(num_warps, block)`` at every head dim instead of :func:`core_launch`'s (blocks given to a
+    core function still replace the block): a switch to compare launches on a GPU
+    (``tools/benchmark.py --mode core --impls triton-w4b64``), not a setting to train with. The
+    backward reads it when it runs."""
+    launches = {}
+    for phase, launch in (('forward', forward), ('backward', backward)):
+        if launch is None:
+            continue
+        warps, block = launch
+        if warps not in (1, 2, 4, 8, 16) or block < 16 or block & (block - 1):
+            raise ValueError(f'triton_core_launch: {phase} launch must be (warps in 1, 2, 4, 8, '
+                             f'16; block a power of two >= 16), got {launch!r}')
+        launches[phase] = (int(warps), int(block))
+    _LAUNCH_OVERRIDES.append(dict(_LAUNCH_OVERRIDES[-1], **launches))
+    try:
+        yield
+    finally:
+        _LAUNCH_OVERRIDES.pop()
 
 
 #: pipeline stages chosen by :func:`launch_fitted`, per kernel, launch options, device and the

@@ -354,45 +354,51 @@ def test_training_step_profile(capsys, monkeypatch):
     assert all('Self CPU time total' in t for t in tables.values())
 
 
-def test_core_with_tensor_core_products():
+def test_core_with_tensor_core_products_or_another_launch():
     # --mode core --impls triton-tf32x3: the Triton core (forward and backward) run inside
-    # triton_dot_precision('tf32x3'); the other implementations with the default products
-    from linattn_mm.ops.dispatch import dot_precision
+    # triton_dot_precision('tf32x3'); triton-w4b64 inside triton_core_launch with the gradient
+    # passes' launch of 0.6.11 (4 warps, blocks of 64); the other implementations as they are
+    from linattn_mm.ops.dispatch import core_launch, dot_precision
     seen = []
 
     def step():
-        seen.append(dot_precision())
+        seen.append((dot_precision(), core_launch(32, 'backward'), core_launch(32)))
     step.train = True
-    for impl in ('triton-tf32x3', 'triton', 'torch'):
-        run = TOOL['_in_dot_precision'](impl, step)
+    for impl in ('triton-tf32x3', 'triton-w4b64', 'triton', 'torch'):
+        run = TOOL['_in_triton_variant'](impl, step)
         run()
         assert run.train is True
-    assert seen == ['tf32x3', 'ieee', 'ieee'] and dot_precision() == 'ieee'
-    assert TOOL['CORE_NAMES']['triton-tf32x3'] == 'triton'
-    with pytest.raises(SystemExit, match='triton-tf32x3 .* is an implementation of --mode core'):
-        TOOL['main'](['--mode', 'train', 'pvt-t', '--impls', 'triton-tf32x3'])
+    assert seen == [('tf32x3', (8, 32), (4, 64)), ('ieee', (4, 64), (4, 64)),
+                    ('ieee', (8, 32), (4, 64)), ('ieee', (8, 32), (4, 64))]
+    assert dot_precision() == 'ieee' and core_launch(32, 'backward') == (8, 32)
+    assert TOOL['CORE_NAMES']['triton-tf32x3'] == TOOL['CORE_NAMES']['triton-w4b64'] == 'triton'
+    for impl in ('triton-tf32x3', 'triton-w4b64'):
+        with pytest.raises(SystemExit, match=f'{impl} .* is an implementation of --mode core'):
+            TOOL['main'](['--mode', 'train', 'pvt-t', '--impls', impl])
     with pytest.raises(SystemExit, match='--profile times .* not on --device meta'):
         TOOL['main'](['--mode', 'train', 'pvt-t', '--device', 'meta', '--profile', '2'])
 
 
-def test_core_mode_runs_each_core_in_its_precision(monkeypatch):
+def test_core_mode_runs_each_core_in_its_precision_and_launch(monkeypatch):
     # the core mode's calls of the Pola core, forward and backward: triton-tf32x3 inside
-    # triton_dot_precision('tf32x3'), the others not (the Triton kernels themselves need CUDA
-    # here; the precision they would compile with is what the core reads when it launches)
+    # triton_dot_precision('tf32x3'), triton-w4b64 inside triton_core_launch, the others not (the
+    # Triton kernels themselves need CUDA here; the precision and launch they would compile with
+    # are what the core reads when it launches)
     import linattn_mm.ops.pola as pola_ops
-    from linattn_mm.ops.dispatch import dot_precision
+    from linattn_mm.ops.dispatch import core_launch, dot_precision
     seen = []
     real = pola_ops.polarity_attention
 
     def recording(*args, core=None, **kwargs):
-        seen.append((core, dot_precision()))
+        seen.append((core, dot_precision(), core_launch(32, 'backward')))
         return real(*args, core='fast', **kwargs)
     monkeypatch.setattr(pola_ops, 'polarity_attention', recording)
     TOOL['main'](['--mode', 'core', '--attn', 'pola', '--backward', '--grid', '8x8', '--batch',
-                  '1', '--impls', 'triton-tf32x3', 'triton', 'torch', '--warmup', '1',
-                  '--repeats', '1'])
-    assert set(seen) == {('triton', 'tf32x3'), ('triton', 'ieee'), ('fast', 'ieee')}
-    assert dot_precision() == 'ieee'
+                  '1', '--impls', 'triton-tf32x3', 'triton-w4b64', 'triton', 'torch',
+                  '--warmup', '1', '--repeats', '1'])
+    assert set(seen) == {('triton', 'tf32x3', (8, 32)), ('triton', 'ieee', (4, 64)),
+                         ('triton', 'ieee', (8, 32)), ('fast', 'ieee', (8, 32))}
+    assert dot_precision() == 'ieee' and core_launch(32, 'backward') == (8, 32)
 
 
 def _boxes(g, n, size=64.):

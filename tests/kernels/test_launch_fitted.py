@@ -120,3 +120,80 @@ def test_a_kernel_too_large_with_tensor_core_products_names_the_precision(device
     with pytest.raises(RuntimeError, match=r"core='fast'\) on this GPU or the default precision "
                                            r"of the products \('ieee', not 'tf32x3'\)"):
         dispatch.launch_fitted(kernel, (1,), torch.zeros(1), PREC='tf32x3')
+
+
+def test_core_launch_by_phase_and_head_dim():
+    # up to a padded head dim of 32 the forward kernels keep the launch measured on the H200 and
+    # the gradient passes take 8 warps and blocks of 32 (no spills when assembled for sm_90:
+    # tests/kernels/test_triton_build.py); above, both phases take 8 warps and blocks of 16
+    for d in (1, 12, 16, 31, 32):
+        assert dispatch.core_launch(d) == dispatch.core_launch(d, 'forward') == (4, 64)
+        assert dispatch.core_launch(d, 'backward') == (8, 32)
+    for d in (33, 48, 64, 128):
+        assert dispatch.core_launch(d, 'forward') == dispatch.core_launch(d, 'backward') == (8, 16)
+    assert dispatch.core_blocks(32, 'forward') == (64, 64)
+    assert dispatch.core_blocks(32, 'backward') == (32, 32)
+    assert dispatch.core_blocks(32, 'backward', 16) == (16, 32)
+    assert dispatch.core_blocks(64, 'forward', None, 128) == (16, 128)
+    with pytest.raises(ValueError, match=r"phase must be one of \('forward', 'backward'\), got "
+                                         r"'bwd'"):
+        dispatch.core_launch(32, 'bwd')
+
+
+def test_a_block_sets_the_launch_of_a_phase():
+    with dispatch.triton_core_launch(backward=(4, 64)):
+        assert dispatch.core_launch(32, 'backward') == dispatch.core_launch(64, 'backward') == \
+            (4, 64)
+        assert dispatch.core_launch(32, 'forward') == (4, 64)  # not given: as before
+        assert dispatch.core_launch(64, 'forward') == (8, 16)
+        with dispatch.triton_core_launch(forward=(2, 128)):
+            assert dispatch.core_launch(12) == (2, 128)
+            assert dispatch.core_launch(12, 'backward') == (4, 64)  # the outer block's
+        assert dispatch.core_launch(12) == (4, 64)
+    assert dispatch.core_launch(32, 'backward') == (8, 32)
+    for bad in ((3, 64), (4, 48), (4, 8)):
+        with pytest.raises(ValueError, match=r'backward launch must be \(warps in 1, 2, 4, 8, '
+                                             r'16; block a power of two >= 16\), got '):
+            with dispatch.triton_core_launch(backward=bad):
+                pass
+    assert dispatch.core_launch(32, 'backward') == (8, 32)
+
+
+@pytest.mark.skipif(dispatch.triton_module() is None, reason='Triton is not installed')
+@pytest.mark.parametrize('family', ['pola', 'nala'])
+def test_the_cores_launch_each_phase_as_core_launch_says(monkeypatch, family):
+    # the kernels of the forward launch with the forward's warps and blocks, those of the
+    # backward with the backward's (blocks given to the core function replace both phases'
+    # blocks, not the warps); recorded, not run
+    from linattn_mm.ops.nala import triton as nt
+    from linattn_mm.ops.pola import triton as pt
+    module = pt if family == 'pola' else nt
+    launched = []
+
+    def record(kernel, grid, *args, num_warps, **kwargs):
+        block = kwargs.get('BLOCK_N', kwargs.get('BLOCK_M'))
+        launched.append((kernel.fn.__name__.lstrip('_'), num_warps, block))
+
+    monkeypatch.setattr(dispatch, '_interpreting', lambda: True)  # CPU tensors pass the checks
+    monkeypatch.setattr(module, 'launch_fitted', record)
+
+    def step(d, **blocks):
+        del launched[:]
+        q, k, v = (torch.randn(1, 2, 40, d, requires_grad=True) for _ in range(3))
+        if family == 'pola':
+            out = pt.polarity_attention_triton(q, k, v, torch.full((1, 2, 1, d), 3.0), **blocks)
+        else:
+            out = nt.nala_attention_triton(q, k, v, **blocks)
+        out.sum().backward()
+        return launched
+
+    forward = [f'{family}_keys_kernel', f'{family}_queries_kernel']
+    backward = [f'{family}_query_grad_kernel', f'{family}_key_grad_kernel']
+    names = forward + backward
+    assert step(32) == [(n, 4, 64) for n in forward] + [(n, 8, 32) for n in backward]
+    assert step(12) == [(n, 4, 64) for n in forward] + [(n, 8, 32) for n in backward]
+    assert step(64) == [(n, 8, 16) for n in names]
+    assert step(32, block_n=16, block_m=128) == [
+        (names[0], 4, 16), (names[1], 4, 128), (names[2], 8, 128), (names[3], 8, 16)]
+    with dispatch.triton_core_launch(backward=(4, 64)):
+        assert step(32) == [(n, 4, 64) for n in names]

@@ -366,21 +366,24 @@ def test_triton_pola_core_on_meta_is_four_launches_with_their_traffic():
     launches = [r for r in tc.records if r[0].startswith('pola_triton')]
     assert [r[0] for r in launches] == ['pola_triton_keys', 'pola_triton_queries',
                                         'pola_triton_query_grads', 'pola_triton_key_grads']
-    full, param, bh = B * h * N * d * 4, h * d * 4, B * h  # bytes; one key / query chunk each
+    full, param, bh = B * h * N * d * 4, h * d * 4, B * h  # bytes
     pe_bytes = h * N * d * 4  # broadcast over the batch: addressed once
     state, means, vec = bh * 2 * DP * DP * 4, bh * 2 * DP * 4, bh * DP * 4
+    # partial sums per chunk: the forward's blocks of 64 tokens make one chunk of the 40, the
+    # gradient passes' blocks of 32 (core_launch's at d <= 32) two
+    chunks = 2
     want = {
         # k, v, pe, p, 1/s -> partial [k+^T v, k-^T v], [sum k+, sum k-]
         'pola_triton_keys': 2 * full + pe_bytes + 2 * param + state + means,
         # q, [W+, W-], key means, p, 1/s -> out
         'pola_triton_queries': full + state + means + 2 * param + full,
         # q, grad, W, means, p, 1/s -> dq, dW, d means, d(1/s), dp
-        'pola_triton_query_grads': 2 * full + state + means + 2 * param + full + state + means
-        + 2 * vec,
+        'pola_triton_query_grads': 2 * full + state + means + 2 * param + full
+        + chunks * (state + means + 2 * vec),
         # k, v, pe, p, 1/s, dKV, d sums -> dk (float32: the bias's gradient is summed from it),
         # dv, d(1/s), dp
         'pola_triton_key_grads': 2 * full + pe_bytes + 2 * param + state + means + 2 * full
-        + 2 * vec,
+        + chunks * 2 * vec,
     }
     flops = {'pola_triton_keys': 2, 'pola_triton_queries': 2, 'pola_triton_query_grads': 6,
              'pola_triton_key_grads': 4}
@@ -409,10 +412,12 @@ def test_triton_nala_core_on_meta_is_four_launches_with_their_traffic():
                                         'nala_triton_query_grads', 'nala_triton_key_grads']
     full, table, bh = B * h * N * d * 4, N * d * 4, B * h
     mats, means = bh * 4 * DP * DP * 4, bh * 2 * DP * 4
+    chunks = 2  # of the query gradients' partial sums: blocks of 32 (d <= 32), 40 tokens
     want = {'nala_triton_keys': 2 * full + 2 * table + mats + means,  # k, v, sin, cos -> sums
             'nala_triton_queries': full + mats + means + 2 * table + full,  # q, W, means -> out
             # q, grad, W, means, sin, cos -> dq, dW, d means
-            'nala_triton_query_grads': 2 * full + mats + means + 2 * table + full + mats + means,
+            'nala_triton_query_grads': 2 * full + mats + means + 2 * table + full
+            + chunks * (mats + means),
             # k, v, sin, cos, dW, d sums -> dk, dv
             'nala_triton_key_grads': 2 * full + 2 * table + mats + means + 2 * full}
     flops = {'nala_triton_keys': 4, 'nala_triton_queries': 4, 'nala_triton_query_grads': 12,

@@ -132,8 +132,9 @@ def main():
     cases['pola d64 bf16'] = (pola, 64, torch.bfloat16, False)
     cases['nala d64 fp16'] = (nala, 64, torch.float16, False)
     # the half-precision inputs of training under autocast, with the layers' extras
-    cases['pola d64 bf16 pe+temperature'] = (pola, 64, torch.bfloat16, True)
-    cases['nala d64 bf16 rope'] = (nala, 64, torch.bfloat16, True)
+    for d in (32, 64):
+        cases[f'pola d{d} bf16 pe+temperature'] = (pola, d, torch.bfloat16, True)
+        cases[f'nala d{d} bf16 rope'] = (nala, d, torch.bfloat16, True)
     # the products on the tensor cores (dispatch.triton_dot_precision)
     cases['pola d64 fp32 pe+temperature tf32x3'] = (pola, 64, torch.float32, True)
     cases['nala d64 fp32 rope tf32x3'] = (nala, 64, torch.float32, True)

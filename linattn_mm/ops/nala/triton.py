@@ -39,7 +39,7 @@ formulas of :mod:`linattn_mm.ops.nala.autograd`):
 
 The launches are torch operators (``torch.ops.linattn_mm.nala_triton_*``) with fake forms, so on
 ``meta`` tensors they make their outputs' shapes and the counters of :mod:`linattn_mm.utils`
-count them. Warps and block sizes by head dim as Pola's
+count them. Warps and block sizes by head dim and pass as Pola's
 (:func:`~linattn_mm.ops.dispatch.core_launch`). ``core='triton'`` on the mixer (inference and
 training; CUDA only), which :func:`linattn_mm.deploy.convert` sets for CUDA inference (head dims
 up to 32). ``TRITON_INTERPRET=1`` runs the same
@@ -50,7 +50,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..common import kept_input
-from ..dispatch import core_launch, dot_precision, launch_fitted
+from ..dispatch import core_blocks, core_launch, dot_precision, launch_fitted
 from ..pola.triton import (_LIB, _padded, _partials, _split, check_qkv, register_dot_flops,
                           triton)
 from .fast import _rot_rows
@@ -399,7 +399,7 @@ def _query_grads_op(q: torch.Tensor, grad: torch.Tensor, w: torch.Tensor, km: to
     launch_fitted(_nala_query_grad_kernel, (B * h, dw.shape[1]),
         q, grad, w, km, sin_t, cos_t, dq_t, dw, dkm, N, h, chunk, lam, eps, *q.stride(),
         *grad.stride(), *dq_t.stride(), *rs, PREC=dot_precision(), D=d, DP=DP, BLOCK_M=block_m,
-        HAS_ROPE=sin is not None, num_warps=core_launch(d)[0])
+        HAS_ROPE=sin is not None, num_warps=core_launch(d, 'backward')[0])
     return dq, dw, dkm
 
 
@@ -433,7 +433,7 @@ def _key_grads_op(k: torch.Tensor, v: torch.Tensor, sin: Optional[torch.Tensor],
         k, v, sin_t, cos_t, c, dks, dk, dv, n, h, chunk, lam, *k.stride(), *v.stride(),
         *dk_t.stride(), *dv_t.stride(), *rs, PREC=dot_precision(), D=d, DP=DP, BLOCK_N=block_n,
         HAS_ROPE=sin is not None, CUBE=lam == 3.0, WANT_DK=want_dk, WANT_DV=want_dv,
-        num_warps=core_launch(d)[0])
+        num_warps=core_launch(d, 'backward')[0])
     return dk, dv
 
 
@@ -464,6 +464,8 @@ class NormAwareAttentionTriton(torch.autograd.Function):
         if v_keep is not None:
             check_qkv(fn, q, k, v_in, meta=True)
         DP = _padded(d)
+        blocks = (block_n, block_m)  # as given: the backward's default blocks are its own
+        block_n, block_m = core_blocks(d, 'forward', block_n, block_m)
         acc, ks = torch.ops.linattn_mm.nala_triton_keys(k, v_in, sin, cos, lam, block_n)
         acc = acc.sum(1).mul_(1.0 / n)  # (B*h, 4, DP, DP)
         km = ks.sum(1).mul_(1.0 / n)  # key feature means (B*h, 2, DP)
@@ -477,16 +479,17 @@ class NormAwareAttentionTriton(torch.autograd.Function):
         out = torch.ops.linattn_mm.nala_triton_queries(q, w, km, sin, cos, lam, eps, block_m,
                                                        out_dtype or v.dtype)
         ctx.save_for_backward(q, k, v_in, sin, cos, w, km)
-        ctx.args = (lam, eps, block_n, block_m, DP, v.dtype)
+        ctx.args = (lam, eps, blocks, DP, v.dtype)
         return out.transpose(1, 2)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         q, k, v, sin, cos, w, km = ctx.saved_tensors
-        lam, eps, block_n, block_m, DP, v_dtype = ctx.args
+        lam, eps, blocks, DP, v_dtype = ctx.args
         need = ctx.needs_input_grad
         n = k.shape[2]
+        block_n, block_m = core_blocks(q.shape[-1], 'backward', *blocks)
         dq, dw, dkm = torch.ops.linattn_mm.nala_triton_query_grads(q, grad, w, km, sin, cos, lam,
                                                                    eps, block_m)
         dw, dkm = dw.sum(1), dkm.sum(1).mul_(1.0 / n)  # dkm: of the key feature sums
@@ -528,8 +531,6 @@ def nala_attention_triton(q, k, v, power=3., eps=1e-6, sin=None, cos=None, out_d
         Tensor: (B, h, N, d), a view of a (B, N, h, d) buffer.
     """
     fn = 'nala_attention_triton'
-    block = core_launch(q.shape[-1])[1]
-    block_n, block_m = block_n or block, block_m or block
     if power <= 0:
         raise ValueError(f'{fn}: power must be positive, got {power}')
     has_rope = sin is not None or cos is not None

@@ -24,8 +24,9 @@ cores instead (``'tf32x3'``, ``'tf32'``: the ``PREC`` of every kernel), a switch
 a GPU, not a default. Head dims are padded to a power of two ≥ 16 inside the kernel (masked
 loads), so any ``d`` works. Every launch fits its pipeline stages to the device's shared memory
 (:func:`~linattn_mm.ops.dispatch.launch_fitted`); the warps of a program and the tokens it takes
-per step depend on the head dim (:func:`~linattn_mm.ops.dispatch.core_launch`: at d = 64 more
-warps and smaller blocks, which keep the accumulators out of local memory).
+per step depend on the head dim and on the pass (:func:`~linattn_mm.ops.dispatch.core_launch`: at
+d = 64 more warps and smaller blocks, and up to d = 32 the gradient passes more warps and smaller
+blocks than the forward's, which keep the accumulators out of local memory).
 
 **Training** (:class:`PolarityAttentionTriton`, the autograd Function of the two passes above):
 the forward keeps q, k, v (as they came, in their dtype), the parameters and the small per-head
@@ -55,7 +56,7 @@ from typing import Optional, Tuple
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
-from ..dispatch import (TRITON_DTYPES, core_launch, dot_precision, launch_fitted,
+from ..dispatch import (TRITON_DTYPES, core_blocks, core_launch, dot_precision, launch_fitted,
                         padded_head_dims, triton_available, triton_module)
 
 triton = triton_module()  # Triton ships with the CUDA builds of torch; the torch cores never need it
@@ -433,8 +434,8 @@ def _query_grads_op(q: torch.Tensor, grad: torch.Tensor, w: torch.Tensor, ks: to
     launch_fitted(_pola_query_grad_kernel, (B * h, dw.shape[1]),
         q, grad, w, ks, p, p if inv_s is None else inv_s, dq_t, dw, dm, d_inv, d_pow, N, h,
         chunk, eps, *q.stride(), *grad.stride(), *dq_t.stride(),
-        PREC=dot_precision(), num_warps=core_launch(d)[0], D=d, D_SAME=(d + 1) // 2,
-        DP=_padded(d), BLOCK_M=block_m, HAS_SCALE=inv_s is not None)
+        PREC=dot_precision(), num_warps=core_launch(d, 'backward')[0], D=d,
+        D_SAME=(d + 1) // 2, DP=_padded(d), BLOCK_M=block_m, HAS_SCALE=inv_s is not None)
     return dq, dw, dm, d_inv, d_pow
 
 
@@ -471,8 +472,9 @@ def _key_grads_op(k: torch.Tensor, v: torch.Tensor, pe: Optional[torch.Tensor], 
     launch_fitted(_pola_key_grad_kernel, (B * h, d_inv.shape[1]),
         k, v, pe_t, p, p if inv_s is None else inv_s, dkv, dm, dk, dv, d_inv, d_pow, n, h, chunk,
         *k.stride(), *v.stride(), *pe_t.stride(), *dk_t.stride(), *dv_t.stride(),
-        PREC=dot_precision(), num_warps=core_launch(d)[0], D=d, DP=_padded(d), BLOCK_N=block_n,
-        HAS_PE=pe is not None, HAS_SCALE=inv_s is not None, WANT_DK=want_dk, WANT_DV=want_dv)
+        PREC=dot_precision(), num_warps=core_launch(d, 'backward')[0], D=d, DP=_padded(d),
+        BLOCK_N=block_n, HAS_PE=pe is not None, HAS_SCALE=inv_s is not None, WANT_DK=want_dk,
+        WANT_DV=want_dv)
     return dk, dv, d_inv, d_pow
 
 
@@ -515,6 +517,8 @@ class PolarityAttentionTriton(torch.autograd.Function):
         pf = _per_head(p, h, d, 'p').to(dev)
         inv_s = None if inv_scale is None else _per_head(inv_scale, h, d, 'temperature').to(dev)
         pe = _expand_bias(k_bias, (B, h, n, d))
+        ctx.blocks = (block_n, block_m)  # as given: the backward's default blocks are its own
+        block_n, block_m = core_blocks(d, 'forward', block_n, block_m)
         kv, ks = torch.ops.linattn_mm.pola_triton_keys(k, v, pe, pf, inv_s, block_n)
         kv = kv.sum(1).mul_(1.0 / n)  # (B*h, 2, DP, DP): [k+ᵀv, k-ᵀv] / n
         ks = ks.sum(1).mul_(1.0 / n)  # key means
@@ -526,7 +530,7 @@ class PolarityAttentionTriton(torch.autograd.Function):
         out = torch.ops.linattn_mm.pola_triton_queries(q, w, ks, pf, inv_s, float(eps), block_m,
                                                        out_dtype or v.dtype)
         ctx.save_for_backward(q, k, v, k_bias, pf, inv_s, w, ks)
-        ctx.eps, ctx.blocks = float(eps), (block_n, block_m)
+        ctx.eps = float(eps)
         ctx.p_meta = (p.shape, p.dtype)
         ctx.inv_meta = None if inv_scale is None else (inv_scale.shape, inv_scale.dtype)
         return out.transpose(1, 2)
@@ -539,7 +543,7 @@ class PolarityAttentionTriton(torch.autograd.Function):
         B, h, N, d = q.shape
         n = k.shape[2]
         DP = w.shape[-1]
-        block_n, block_m = ctx.blocks
+        block_n, block_m = core_blocks(d, 'backward', *ctx.blocks)
         # 3. queries: dq, and the partial sums of dW+, dW-, of the key means' gradient, of the
         # inverse temperature's and of the exponents'
         dq, dw, dm, d_inv_q, d_pow_q = torch.ops.linattn_mm.pola_triton_query_grads(
@@ -606,8 +610,6 @@ def polarity_attention_triton(q, k, v, p, eps=1e-6, temperature=None, k_bias=Non
         Tensor: (B, h, N, d), a view of a (B, N, h, d) buffer.
     """
     # q, k, v are checked by the Function
-    block = core_launch(q.shape[-1])[1]
-    block_n, block_m = block_n or block, block_m or block
     inv_scale = None if temperature is None else temperature.reciprocal()
     return PolarityAttentionTriton.apply(q, k, v, p, eps, inv_scale, k_bias, out_dtype, block_n,
                                          block_m)
