@@ -96,7 +96,8 @@ def test_every_launch_fits_the_shared_memory(builds, arch):
         family = case.split()[0]
         errors = [launch[1] for launch in launches if launch[0] == 'error']
         launched = [launch for launch in launches if launch[0] != 'error']
-        for name, stages, shared, _ in launched:
+        for name, stages, shared, _, seconds in launched:
+            assert isinstance(seconds, float) and seconds >= 0, (case, name, seconds)
             assert 1 <= stages <= 3, (case, name, stages)
             assert 0 < shared <= GPUS[arch], (case, name, shared)
         if errors:  # a gradient pass that cannot fit: named, after the kernels before it ran

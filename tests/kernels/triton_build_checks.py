@@ -10,7 +10,11 @@ pipeline stages to ``LIMIT`` as on that GPU. Each core runs forward and backward
 several head dims, dtypes and options, two of them with the products on the tensor cores
 (``tf32x3``; nothing is computed: the outputs are empty buffers). Prints
 a JSON list, one entry per kernel launched: ``[case, kernel, stages, shared bytes, spill stores
-in bytes or None]``, or ``[case, 'error', message]`` for a case that raised.
+in bytes or None, compile seconds]``, or ``[case, 'error', message]`` for a case that raised. The
+seconds are those of Triton's compiler and ``ptxas`` for that launch, the stage fitting's
+compilations included (the first of a kernel and specialization; with ``TRITON_CACHE_DIR`` an
+empty folder, the first launch of each): what a GPU machine's CPU spends before the kernel's
+first launch, on this CPU.
 """
 import functools
 import json
@@ -19,6 +23,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -52,6 +57,7 @@ class CompileOnlyDriver:
 
 LAUNCHED = []
 _run = JITFunction.run
+_COMPILING = [0.0]  # seconds of compilation since the last recorded launch
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,12 +90,16 @@ def spill_stores(ptx):
 
 
 def _compile_only(self, *args, grid, warmup, **kwargs):
-    """Compile as the launch would; record a launch (not the stage fitting's compilations)."""
+    """Compile as the launch would; record a launch (not the stage fitting's compilations, whose
+    time counts for the launch that follows them)."""
+    start = time.perf_counter()
     kernel = _run(self, *args, grid=grid, warmup=True, **kwargs)
+    _COMPILING[0] += time.perf_counter() - start
     if not warmup:
         spills = spill_stores(kernel.asm['ptx']) if SPILLS else None
         LAUNCHED.append((self.fn.__name__, kwargs.get('num_stages'), kernel.metadata.shared,
-                         spills))
+                         spills, round(_COMPILING[0], 2)))
+        _COMPILING[0] = 0.0
     return kernel
 
 
