@@ -135,6 +135,7 @@ from linattn_mm.models.attentions.pola import PolaLinearAttention
 from linattn_mm.models.utils.layers import TransformerBlock
 from linattn_mm.models.backbones.nalaformer import NaLaBlock
 from linattn_mm.ops.common import autocast_on, no_autocast
+from linattn_mm.ops.dispatch import padded_head_dims
 from linattn_mm.utils import (OperationsByModule, PeakMemoryCounter, TrafficCounter, meta_autocast,
                               use_heap_allocator)
 from linattn_mm.utils.autocast_meta import autocast_args
@@ -1119,6 +1120,7 @@ def _in_triton_variant(impl, fn):
     if impl not in TRITON_VARIANTS:
         return fn
     from linattn_mm.ops.dispatch import triton_core_launch, triton_dot_precision
+
     def setting():
         if impl == 'triton-tf32x3':
             return triton_dot_precision('tf32x3')
@@ -1206,6 +1208,9 @@ def run_core(args, device, note=None):
     if bad:
         raise SystemExit(f'--mode core: implementations {bad} are not cores; choose from '
                          f'{CORE_IMPLS}')
+    if 'triton-w4b64' in impls and (not args.backward or padded_head_dims(args.head_dims) > 32):
+        raise SystemExit('--impls triton-w4b64 (the gradient passes launched as up to 0.6.11 at '
+                         'head dims up to 32) needs --backward and --head-dims of 32 or less')
     B, h, d = args.batch, args.heads, args.head_dims
     peak_bw = device_peak_bw(device, args.peak_bw)
     results = []

@@ -34,7 +34,7 @@
 #
 # The first training steps on the Triton cores compile their kernels: on an H200 with 0.6.10's
 # launch about 10 s for Pola-Swin-T and 80 s for NaLaFormer-T (its head dim 64 with the RoPE),
-# within the warm-up; 0.6.11's launch at d = 64 compiles about 5x faster on a CPU for sm_90.
+# within the warm-up; 0.6.11's launch at d = 64 compiles about 6x faster on a CPU for sm_90.
 #
 # Every part runs under its own time limit ($PART_LIMIT seconds, default 900); one that fails or
 # runs out of time is reported at the end and the others still run; Ctrl-C stops the whole run.

@@ -101,11 +101,11 @@ def core_launch(d, phase='forward'):
       (the torch core was faster there on an H200); with 8 warps and blocks of 16, six of the
       eight spill nothing and the other two 84 and 556 bytes (float32 inputs: up to about 1.6 KB),
       and most need half the shared memory or less (since 0.6.11).
-    - DP <= 32, gradient passes: with 4 warps and blocks of 64 the Pola query gradients spill
-      1948 bytes per thread with bf16 inputs and 10228 with float32 inputs (ptxas leaves that
-      kernel 32 registers), NaLa's query and key gradients 1928 and 716 bytes (bf16), 1800 and
-      10752 (float32); with 8 warps and blocks of 32 none spills and each needs about half the
-      shared memory (since 0.6.12).
+    - DP <= 32, gradient passes: with 4 warps and blocks of 64 the Pola query and key gradients
+      spill 1948 and 0 bytes per thread with bf16 inputs, 10228 and 100 with float32 inputs,
+      NaLa's 1928 and 716 (bf16), 1800 and 10752 (float32; the two kernels of about 10 KB get 32
+      registers, the others 255); with 8 warps and blocks of 32 (128-204 registers) none spills
+      and each needs a little over half the shared memory (since 0.6.12).
     - DP <= 32, forward passes: 4 warps and blocks of 64, the launch measured on the H200 (at most
       64 bytes of spills with bf16 inputs).
 
@@ -135,7 +135,10 @@ def triton_core_launch(forward=None, backward=None):
     ``(num_warps, block)`` at every head dim instead of :func:`core_launch`'s (blocks given to a
     core function still replace the block): a switch to compare launches on a GPU
     (``tools/benchmark.py --mode core --impls triton-w4b64``), not a setting to train with. The
-    backward reads it when it runs."""
+    backward reads it when it runs. One setting for the whole process (the backward of CUDA
+    autograd runs on a thread of its own): not for blocks entered concurrently by several threads.
+    The cores read it when they launch: put the block around a call of a ``torch.compile``-d
+    function, not inside it (a compiled graph does not see a change made within it)."""
     launches = {}
     for phase, launch in (('forward', forward), ('backward', backward)):
         if launch is None:

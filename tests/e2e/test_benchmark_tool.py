@@ -389,16 +389,31 @@ def test_core_mode_runs_each_core_in_its_precision_and_launch(monkeypatch):
     seen = []
     real = pola_ops.polarity_attention
 
+    def settings(core, phase):
+        return (core, phase, dot_precision(), core_launch(32, 'backward'))
+
     def recording(*args, core=None, **kwargs):
-        seen.append((core, dot_precision(), core_launch(32, 'backward')))
-        return real(*args, core='fast', **kwargs)
+        seen.append(settings(core, 'forward'))
+        out = real(*args, core='fast', **kwargs)
+        out.register_hook(lambda grad: seen.append(settings(core, 'backward')))
+        return out
     monkeypatch.setattr(pola_ops, 'polarity_attention', recording)
     TOOL['main'](['--mode', 'core', '--attn', 'pola', '--backward', '--grid', '8x8', '--batch',
                   '1', '--impls', 'triton-tf32x3', 'triton-w4b64', 'triton', 'torch',
                   '--warmup', '1', '--repeats', '1'])
-    assert set(seen) == {('triton', 'tf32x3', (8, 32)), ('triton', 'ieee', (4, 64)),
-                         ('triton', 'ieee', (8, 32)), ('fast', 'ieee', (8, 32))}
+    assert set(seen) == {(core, phase, prec, launch) for phase in ('forward', 'backward')
+                         for core, prec, launch in (('triton', 'tf32x3', (8, 32)),
+                                                    ('triton', 'ieee', (4, 64)),
+                                                    ('triton', 'ieee', (8, 32)),
+                                                    ('fast', 'ieee', (8, 32)))}
     assert dot_precision() == 'ieee' and core_launch(32, 'backward') == (8, 32)
+    # the launch of 0.6.11 at head dims up to 32, of its gradient passes: a core's backward at
+    # d <= 32 only
+    for extra in (['--backward', '--head-dims', '64'], []):
+        with pytest.raises(SystemExit, match=r'triton-w4b64 .* needs --backward and --head-dims '
+                                             r'of 32 or less'):
+            TOOL['main'](['--mode', 'core', '--attn', 'pola', '--grid', '8x8', '--impls',
+                          'triton-w4b64', 'torch', '--warmup', '1', '--repeats', '1'] + extra)
 
 
 def _boxes(g, n, size=64.):

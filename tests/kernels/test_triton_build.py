@@ -126,8 +126,8 @@ def test_the_stages_docs_benchmarks_gives(builds):
     # gradient passes at d = 64 with the RoPE run with one and two stages (in 0.6.10 the query
     # gradients did not fit there at all), its query gradients with bf16 inputs at d = 64 with
     # two, every other kernel with float32 products with three (since 0.6.12 the NaLa query
-    # gradients at d = 32 too, which needed 123 KB with three stages and 0.6.11's launch and had
-    # two)
+    # gradients at d = 32 too: with float32 inputs and 0.6.11's launch they needed 123392 bytes
+    # with three stages, which left them two)
     stages = {(case, name): launch[0] for case, name, *launch in builds[86]
               if name != 'error' and not case.endswith('tf32x3')}
     assert stages.pop(('nala d64 bf16 rope', '_nala_query_grad_kernel')) == 2

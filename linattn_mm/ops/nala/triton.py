@@ -525,7 +525,8 @@ def nala_attention_triton(q, k, v, power=3., eps=1e-6, sin=None, cos=None, out_d
             the projection v was cast from): read and kept instead of ``v``; ``v`` still gets
             its gradient in its own dtype.
         block_n, block_m (int, optional): keys and queries a program takes per step (powers of
-            two, 16 or more); default by head dim (:func:`~linattn_mm.ops.dispatch.core_launch`).
+            two, 16 or more), forward and backward; default by head dim and pass
+            (:func:`~linattn_mm.ops.dispatch.core_launch`).
 
     Returns:
         Tensor: (B, h, N, d), a view of a (B, N, h, d) buffer.

@@ -604,7 +604,8 @@ def polarity_attention_triton(q, k, v, p, eps=1e-6, temperature=None, k_bias=Non
             (B, h, n, d).
         out_dtype (torch.dtype, optional): output dtype; default ``v.dtype``.
         block_n, block_m (int, optional): keys and queries a program takes per step (powers of
-            two, 16 or more); default by head dim (:func:`~linattn_mm.ops.dispatch.core_launch`).
+            two, 16 or more), forward and backward; default by head dim and pass
+            (:func:`~linattn_mm.ops.dispatch.core_launch`).
 
     Returns:
         Tensor: (B, h, N, d), a view of a (B, N, h, d) buffer.
