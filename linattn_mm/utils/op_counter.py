@@ -91,6 +91,19 @@ def _flops(func, args, kwargs, out):
     return 0 if formula is None else int(formula(*args, **(kwargs or {}), out_val=out))
 
 
+#: operations whose FLOPs run at the rate of another dtype than their first tensor's (operator
+#: overload packet -> dtype), see :func:`register_compute_dtype`
+_COMPUTE_DTYPES = {}
+
+
+def register_compute_dtype(op, dtype):
+    """Count the FLOPs of ``op`` (an operator overload packet, e.g. ``torch.ops.ns.name``) at the
+    rate of ``dtype`` in :meth:`TrafficCounter.roofline_seconds`, whatever its tensors' dtypes:
+    the Triton cores' launches read half-precision q, k, v under autocast and compute their
+    products in float32."""
+    _COMPUTE_DTYPES[op] = dtype
+
+
 class TrafficCounter(OperationCounter):
     """An :class:`OperationCounter` that also adds up what each operation moves and computes:
     ``bytes_moved`` (the elements its tensor arguments address plus those of its outputs, each
@@ -106,7 +119,8 @@ class TrafficCounter(OperationCounter):
         bytes_moved (int): summed over the operations (views and new uninitialised buffers: 0).
         flops (int): summed over the operations.
         records (list[tuple[str, int, int, torch.dtype]]): per operation: name, bytes, FLOPs,
-            dtype of its first tensor argument.
+            the dtype its FLOPs run at (that of its first tensor argument, or the one
+            :func:`register_compute_dtype` gave the operation).
     """
 
     def __init__(self):
@@ -134,7 +148,8 @@ class TrafficCounter(OperationCounter):
         flops = _flops(func, args, kwargs, out)
         self.bytes_moved += nbytes
         self.flops += flops
-        self.records.append((name, nbytes, flops, ins[0].dtype if ins else None))
+        dtype = _COMPUTE_DTYPES.get(func.overloadpacket, ins[0].dtype if ins else None)
+        self.records.append((name, nbytes, flops, dtype))
         return out
 
     def roofline_seconds(self, bandwidth, peak_flops):

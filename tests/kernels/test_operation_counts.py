@@ -426,3 +426,33 @@ def test_triton_nala_core_on_meta_is_four_launches_with_their_traffic():
         assert nbytes == want[name], name
         assert nflops == 2 * flops[name] * B * h * N * DP * DP, name
     assert all(t.grad is not None and t.grad.shape == t.shape for t in (q, k, v))
+
+
+@pytest.mark.skipif(__import__('linattn_mm.ops.pola.triton', fromlist=['triton']).triton is None,
+                    reason='Triton is not installed')
+@pytest.mark.parametrize('family', ['pola', 'nala'])
+def test_triton_launches_count_their_products_at_the_float32_rate(family):
+    # bf16 q, k, v (a step under autocast): the launches' products run in float32 (FMA loops, the
+    # default 'ieee' precision), so the roofline takes their FLOPs at the float32 rate, not at
+    # the tensor cores' bf16 rate of their inputs (0.6.11 and before did)
+    from linattn_mm.ops.nala import nala_attention
+    from linattn_mm.ops.pola import polarity_attention
+    B, h, N, d, DP = 2, 3, 40, 32, 32
+    q, k, v = (torch.empty(B, h, N, d, device='meta', dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    with TrafficCounter() as tc:
+        if family == 'pola':
+            out = polarity_attention(q, k, v, torch.empty(1, h, 1, d, device='meta'), 1e-6,
+                                     core='triton')
+        else:
+            out = nala_attention(q, k, v, 3., 1e-6, core='triton')
+        out.backward(torch.empty_like(out))
+    launches = [r for r in tc.records if r[0].startswith(f'{family}_triton')]
+    assert len(launches) == 4 and {r[3] for r in launches} == {torch.float32}
+    factors = 14 if family == 'pola' else 28  # products per token over the four launches
+    assert sum(r[2] for r in launches) == 2 * factors * B * h * N * DP * DP
+    # with a bandwidth that costs nothing, the bound is the FLOPs over their rates: the
+    # launches' at the float32 rate (1 FLOP/s here), nothing else computes products
+    rates = {torch.float32: 1.0, torch.bfloat16: 1e30}
+    assert tc.roofline_seconds(1e30, rates) == pytest.approx(sum(r[2] for r in launches))
+    assert [r for r in tc.records if r[2] and not r[0].startswith(f'{family}_triton')] == []

@@ -56,6 +56,8 @@ from typing import Optional, Tuple
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
+from linattn_mm.utils.op_counter import register_compute_dtype
+
 from ..dispatch import (TRITON_DTYPES, core_blocks, core_launch, dot_precision, launch_fitted,
                         padded_head_dims, triton_available, triton_module)
 
@@ -486,7 +488,9 @@ def _(k, v, pe, p, inv_s, dkv, dm, want_dk, want_dv, dk_dtype, block_n):
 def register_dot_flops(factors):
     """FLOP formulas of launches (operator name -> ``factor``) whose matrix products are
     ``factor`` (tokens × DP) by (DP × DP) products per token of their first tensor (B, h, L, d);
-    the elementwise work is not counted, as for any operation."""
+    the elementwise work is not counted, as for any operation. The products are float32 whatever
+    the inputs' dtype (the default ``'ieee'`` precision: FMA loops, not the tensor cores), so
+    the counters' roofline takes them at the float32 rate."""
     def formula_of(factor):
         def formula(x_shape, *args, **kwargs):  # tensors come as their shapes
             B, h, L, d = x_shape
@@ -494,7 +498,9 @@ def register_dot_flops(factors):
         return formula
 
     for name, factor in factors.items():
-        register_flop_formula(getattr(torch.ops.linattn_mm, name))(formula_of(factor))
+        op = getattr(torch.ops.linattn_mm, name)
+        register_flop_formula(op)(formula_of(factor))
+        register_compute_dtype(op, torch.float32)
 
 
 register_dot_flops({'pola_triton_keys': 2, 'pola_triton_queries': 2,
