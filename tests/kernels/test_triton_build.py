@@ -149,6 +149,16 @@ def test_a_kernel_that_cannot_fit_is_named(builds):
     assert [launch[0] for launch in launches if launch[0] != 'error'] == KERNELS['pola'][:2]
 
 
+def _hopper_spills(builds):
+    """(case, kernel) -> bytes of spill stores on Hopper, for every launch with float32 products
+    (the tf32x3 cases left out); skips where this Triton's ptxas was not found."""
+    spills = {(case, name): launch[2] for case, name, *launch in builds[90]
+              if name != 'error' and not case.endswith('tf32x3')}
+    if any(v is None for v in spills.values()):
+        pytest.skip("this Triton's ptxas was not found")
+    return spills
+
+
 def test_head_dim_64_kernels_keep_their_accumulators_in_registers(builds):
     # ptxas -v on Hopper, float32 products: with 0.6.10's launch (4 warps, blocks of 64 tokens)
     # each kernel at d = 64 spilled about 2 to 50 KB per thread to local memory (bf16 inputs with
@@ -156,10 +166,7 @@ def test_head_dim_64_kernels_keep_their_accumulators_in_registers(builds):
     # of 16 none spills more than 2 KB, those with bf16 and the extras at most 1 KB (84 and 556
     # bytes in docs/benchmarks.md), and the forward kernels (the inference path) at every head
     # dim at most 512 bytes
-    spills = {(case, name): launch[2] for case, name, *launch in builds[90]
-              if name != 'error' and not case.endswith('tf32x3')}
-    if any(v is None for v in spills.values()):
-        pytest.skip("this Triton's ptxas was not found")
+    spills = _hopper_spills(builds)
     assert len(spills) == 48, spills
     d64 = {k: v for k, v in spills.items() if ' d64 ' in k[0]}
     assert len(d64) == 24 and max(d64.values()) <= 2048, d64
@@ -177,9 +184,6 @@ def test_gradient_passes_up_to_head_dim_32_spill_nothing(builds):
     # with float32 inputs, the NaLa query and key gradients up to 1928 and 10752; with
     # core_launch's 8 warps and blocks of 32 for the gradient passes, none spills (bf16 and
     # float32 inputs, d = 12 and 32, with the position encoding and temperature or the RoPE)
-    spills = {(case, name): launch[2] for case, name, *launch in builds[90]
-              if name != 'error' and ' d64 ' not in case
-              and name.endswith(('_query_grad_kernel', '_key_grad_kernel'))}
-    if any(v is None for v in spills.values()):
-        pytest.skip("this Triton's ptxas was not found")
+    spills = {k: v for k, v in _hopper_spills(builds).items()
+              if ' d64 ' not in k[0] and k[1].endswith(('_query_grad_kernel', '_key_grad_kernel'))}
     assert len(spills) == 12 and set(spills.values()) == {0}, spills
