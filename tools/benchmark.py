@@ -32,6 +32,9 @@ same weights, same inputs, and outputs are compared with the first):
   attention in groups, GEMM patch embedding, NaLaFormer's in-place blocks; CUDA: the Triton cores).
 * ``torch``: the unconverted model with the torch fast kernels :mod:`linattn_mm.ops.pola.fast` /
   :mod:`linattn_mm.ops.nala.fast` (``core='fast'``, what training runs).
+* ``fused``: the unconverted model with the Pola mixers on the fused core
+  (:mod:`linattn_mm.ops.pola.fused`: the torch core's products, its elementwise passes as Triton
+  kernels; CUDA, or ``meta`` to count; NaLa mixers keep ``core='fast'``).
 * ``triton``: the model converted for CUDA (the Triton cores; CUDA only).
 * ``reference``: the unconverted model with the reference cores (``core='reference'``).
 * ``official``: a straightforward implementation of the official forward written in this file
@@ -135,7 +138,7 @@ from linattn_mm.models.attentions.pola import PolaLinearAttention
 from linattn_mm.models.utils.layers import TransformerBlock
 from linattn_mm.models.backbones.nalaformer import NaLaBlock
 from linattn_mm.ops.common import autocast_on, no_autocast
-from linattn_mm.ops.dispatch import padded_head_dims
+from linattn_mm.ops.dispatch import padded_head_dims, triton_available
 from linattn_mm.utils import (OperationsByModule, PeakMemoryCounter, TrafficCounter, meta_autocast,
                               use_heap_allocator)
 from linattn_mm.utils.autocast_meta import autocast_args
@@ -174,10 +177,11 @@ BACKBONES = {
                             'NaLaFormer-T with NaLa linear attention in all four stages'),
 }
 
-POLA_IMPLS = ('fast', 'torch', 'triton', 'reference', 'official')
-#: the mixers' ``core`` under each implementation (``fast`` / ``triton`` then convert the model)
-CORE = {'fast': 'fast', 'torch': 'fast', 'triton': 'fast', 'reference': 'reference',
-        'official': 'reference'}
+POLA_IMPLS = ('fast', 'torch', 'fused', 'triton', 'reference', 'official')
+#: the mixers' ``core`` under each implementation (``fast`` / ``triton`` then convert the model;
+#: ``fused`` is Pola's core only, NaLa mixers keep ``fast`` there)
+CORE = {'fast': 'fast', 'torch': 'fast', 'fused': 'fused', 'triton': 'fast',
+        'reference': 'reference', 'official': 'reference'}
 #: peak memory bandwidth (GB/s) by device name (first match; PCIe before the SXM default)
 PEAK_BW = (('H100 PCIe', 2000.), ('H100 NVL', 3900.), ('H100', 3350.), ('H200', 4800.),
            ('A100-SXM4-80GB', 2039.), ('A100', 1555.))
@@ -279,13 +283,18 @@ def set_impl(model, impl, ffn='auto', device=None, train=False):
                     official = m.kernel == 'official' and m.query_power is None
                     m.core = 'triton' if official else 'fast'
             return
+    if impl == 'fused':
+        dev = torch.device(device or next(model.parameters()).device)
+        if dev.type not in ('cuda', 'meta') and not triton_available(dev):
+            raise ValueError('--impls fused runs on --device cuda (or counts on meta)')
     deploy.revert(model)
     for m in pola_modules(model):
         m.__dict__.pop('forward', None)
     for m in model.modules():
-        if isinstance(m, (PolaLinearAttention, NormAwareLinearAttention)) and \
-                getattr(m, 'kernel', 'official') == 'official':
-            m.core = CORE[impl]
+        if isinstance(m, PolaLinearAttention) or isinstance(m, NormAwareLinearAttention) and \
+                m.kernel == 'official':
+            nala_fused = impl == 'fused' and isinstance(m, NormAwareLinearAttention)
+            m.core = 'fast' if nala_fused else CORE[impl]
     if impl == 'official':
         for m in pola_modules(model):
             m.forward = types.MethodType(official_pola_forward, m)
@@ -938,6 +947,8 @@ def _main(args):
             _randomise_pola(model, args.seed)
             has_mixers = bool(pola_modules(model) or nala_modules(model))
             impls = args.impls if has_mixers else ['-']
+            if not pola_modules(model):  # 'fused' is the Pola core's: here it changes nothing
+                impls = [i for i in impls if i != 'fused'] or ['fast']
             built.append((name, model, call, impls, has_mixers,
                           sum(p.numel() for p in model.parameters())))
         for hw in sizes:
@@ -1101,7 +1112,7 @@ def _main(args):
     return results
 
 
-CORE_IMPLS = ('triton', 'triton-tf32x3', 'triton-w4b64', 'torch', 'reference')
+CORE_IMPLS = ('triton', 'triton-tf32x3', 'triton-w4b64', 'fused', 'torch', 'reference')
 
 #: the Triton cores run another way (``--mode core`` only): ``triton-tf32x3`` with their products
 #: on the tensor cores (``ops.dispatch.triton_dot_precision``), ``triton-w4b64`` with the gradient
@@ -1111,7 +1122,7 @@ TRITON_VARIANTS = ('triton-tf32x3', 'triton-w4b64')
 
 #: ``--mode core`` implementation -> the core name of :mod:`linattn_mm.ops`
 CORE_NAMES = {'triton': 'triton', 'triton-tf32x3': 'triton', 'triton-w4b64': 'triton',
-              'torch': 'fast', 'reference': 'reference'}
+              'fused': 'fused', 'torch': 'fast', 'reference': 'reference'}
 
 
 def _in_triton_variant(impl, fn):
@@ -1208,6 +1219,8 @@ def run_core(args, device, note=None):
     if bad:
         raise SystemExit(f'--mode core: implementations {bad} are not cores; choose from '
                          f'{CORE_IMPLS}')
+    if 'fused' in impls and args.attn == 'nala':
+        raise SystemExit("--impls fused is the Pola core's (--attn pola)")
     if 'triton-w4b64' in impls and (not args.backward or padded_head_dims(args.head_dims) > 32):
         raise SystemExit('--impls triton-w4b64 (the gradient passes launched as up to 0.6.11 at '
                          'head dims up to 32) needs --backward and --head-dims of 32 or less')

@@ -11,24 +11,27 @@
 #                 reference, the CUDA training forms, autocast, the inference conversion
 #   pola_core     the Pola core alone, forward and backward, bf16, 128² and 256² tokens, batch 8:
 #                 Triton (its products in float32 and on the tensor cores, tf32x3; and its
-#                 gradient passes launched as up to 0.6.11, w4b64) against the torch Function and
-#                 the reference, with the achieved bandwidth and a profile of each (the kernels
-#                 that take the most time)
-#   nala_core     the same for the NaLa core
+#                 gradient passes launched as up to 0.6.11, w4b64) and the fused core (torch's
+#                 products, Triton's elementwise passes) against the torch Function and the
+#                 reference, with the achieved bandwidth and a profile of each (the kernels that
+#                 take the most time)
+#   nala_core     the same for the NaLa core (no fused core)
 #   pola_core64, nala_core64
 #                 the same at head dim 64, one head (Pola-PVT-T's and NaLaFormer-T's first stage),
 #                 where the CUDA conversion keeps the torch core (max_head_dims) until these show
 #                 the Triton cores faster
 #   train_b8      training steps at 800×1344, bf16 autocast, batch 8: Pola-Swin-T, NaLaFormer-T
-#                 and Pola-PVT-T (torch and Triton cores) against the stock Swin-T and PVT-T
+#                 and Pola-PVT-T (torch, fused (Pola) and Triton cores) against the stock Swin-T
+#                 and PVT-T
 #   train_b1      the same at batch 1
 #   train_profile where the time of those steps goes: three bf16 training steps at batch 8 of
-#                 each backbone (torch cores) under torch.profiler, the kernels that took the most
-#                 GPU time
+#                 each backbone (torch cores, and Pola's fused core) under torch.profiler, the
+#                 kernels that took the most GPU time
 #   infer_b8      inference at 800×1344, bf16, batch 8: converted (Triton) and unconverted
 #   infer_b1      the same at batch 1
 #   maskrcnn      a Mask R-CNN training iteration, batch 2, 1333×800, float32: the Pola-Swin-T
-#                 and NaLaFormer-T configs (torch and Triton cores) against the stock Swin-T config
+#                 and NaLaFormer-T configs (torch, fused (Pola) and Triton cores) against the stock
+#                 Swin-T config
 #                 (MMCV_OPS=torchvision: NMS and RoIAlign on torchvision's kernels, for an mmcv
 #                 built without its CUDA ops)
 #
@@ -61,23 +64,24 @@ part_command() {
                 tests/kernels/test_triton_fallback.py tests/models/test_amp.py \
                 tests/models/test_deploy.py ;;
         pola_core|nala_core)
+            # the fused core is Pola's
             printf '%s\n' "$PY" tools/benchmark.py --mode core --attn "${part%_core}" --backward \
                 "${GPU[@]}" --dtype bf16 --grid 128x128 256x256 --batch 8 \
-                --impls triton triton-tf32x3 triton-w4b64 torch reference --compare torch \
-                --profile 5 --json "$out/$part.json" ;;
+                --impls triton triton-tf32x3 triton-w4b64 $([ "$part" = pola_core ] && echo fused) \
+                torch reference --compare torch --profile 5 --json "$out/$part.json" ;;
         pola_core64|nala_core64)
             printf '%s\n' "$PY" tools/benchmark.py --mode core --attn "${part%_core64}" \
                 --backward "${GPU[@]}" --dtype bf16 --grid 128x128 256x256 --batch 8 \
-                --heads 1 --head-dims 64 --impls triton torch reference --compare torch \
-                --profile 5 --json "$out/$part.json" ;;
+                --heads 1 --head-dims 64 --impls triton $([ "$part" = pola_core64 ] && echo fused) \
+                torch reference --compare torch --profile 5 --json "$out/$part.json" ;;
         train_b8|train_b1)
             printf '%s\n' "$PY" tools/benchmark.py --mode train "${BACKBONES[@]}" "${GPU[@]}" \
-                --dtype bf16 --sizes 800x1344 --batch "${part#train_b}" --impls fast triton \
+                --dtype bf16 --sizes 800x1344 --batch "${part#train_b}" --impls fast fused triton \
                 --compare swin-t pola-pvt-t:pvt-t --json "$out/$part.json" ;;
         train_profile)
             printf '%s\n' "$PY" tools/benchmark.py --mode train "${BACKBONES[@]}" --device cuda \
                 --log-progress --warmup 2 --repeats 2 --dtype bf16 --sizes 800x1344 --batch 8 \
-                --impls fast --profile 3 --json "$out/$part.json" ;;
+                --impls fast fused --profile 3 --json "$out/$part.json" ;;
         infer_b8|infer_b1)
             printf '%s\n' "$PY" tools/benchmark.py --mode backbone "${BACKBONES[@]}" "${GPU[@]}" \
                 --dtype bf16 --sizes 800x1344 --batch "${part#infer_b}" --impls fast torch \
@@ -86,7 +90,7 @@ part_command() {
             printf '%s\n' "$PY" tools/benchmark.py --mode train \
                 configs/polaformer/mask-rcnn_pola-swin-t_fpn_1x_coco.py \
                 configs/nalaformer/mask-rcnn_nalaformer-t_fpn_1x_coco.py "$STOCK_SWIN_MRCNN" \
-                --part model "${GPU[@]}" --sizes 800x1333 --batch 2 --impls fast triton \
+                --part model "${GPU[@]}" --sizes 800x1333 --batch 2 --impls fast fused triton \
                 --mmcv-ops "${MMCV_OPS:-mmcv}" --compare "$STOCK_SWIN_MRCNN" \
                 --json "$out/$part.json" ;;
         *)

@@ -19,8 +19,8 @@ __all__ = ['CORES', 'check_core', 'TRITON_DTYPES', 'triton_module', 'triton_avai
            'DOT_PRECISIONS', 'dot_precision', 'triton_dot_precision', 'core_launch',
            'CORE_LAUNCHES', 'core_blocks', 'triton_core_launch', 'padded_head_dims']
 
-#: the names of the attention cores of the linear families
-CORES = ('reference', 'fast', 'triton')
+#: the names of the attention cores of the linear families (``'fused'``: Pola's only)
+CORES = ('reference', 'fast', 'fused', 'triton')
 
 #: input dtypes the Triton kernels read
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -3,6 +3,7 @@ NaLa mixer of a built model on the named core (windows and softmax stages untouc
 trains with it, and models without such mixers, NaLa feature maps without a Triton core and
 unknown core names are refused with the reason."""
 import os.path as osp
+import re
 
 import pytest
 from harness import CONFIGS, run_tool, short_run_options
@@ -73,4 +74,20 @@ def test_train_tool_runs_with_the_named_core(demo_data, tmp_path):
     out = run_tool(['tools/train.py', cfg, '--demo', '--attn-core', 'reference', '--work-dir',
                     str(tmp_path / 'work'), '--cfg-options'] + train)
     assert "--attn-core: 8 Pola / NaLa mixers on core 'reference'" in out  # depths 2, 2, 2, 2
+    assert 'Saving checkpoint' in out
+
+
+@pytest.mark.slow
+def test_train_tool_runs_with_the_fused_core(demo_data, tmp_path):
+    # the fused Pola core through the tool: its Triton kernels in the interpreter on CPU, one
+    # Mask R-CNN iteration of Pola-Swin-T (global Pola stages 1-2) with finite losses
+    pytest.importorskip('triton')
+    cfg = osp.join(CONFIGS, 'polaformer/mask-rcnn_pola-swin-t_fpn_1x_coco.py')
+    train, _, _ = short_run_options(Config.fromfile(cfg))
+    out = run_tool(['tools/train.py', cfg, '--demo', '--attn-core', 'fused', '--work-dir',
+                    str(tmp_path / 'work'), '--cfg-options'] + train,
+                   env=dict(TRITON_INTERPRET='1'))
+    assert "--attn-core: 4 Pola / NaLa mixers on core 'fused'" in out  # depths 2, 2 there
+    loss = re.search(r'Epoch\(train\) \[1\]\[1/1\].* loss: ([\d.]+) ', out)
+    assert loss and 0 < float(loss.group(1)) < 100, out[-3000:]
     assert 'Saving checkpoint' in out

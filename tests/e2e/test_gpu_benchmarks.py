@@ -101,14 +101,15 @@ def test_no_gpu_is_named(tmp_path):
 
 @pytest.mark.parametrize('part', ['train_b8', 'train_b1'])
 def test_training_steps_counted_as_on_a_gpu(part, tmp_path):
-    """On ``meta`` the training steps run with both cores, under CUDA's autocast."""
+    """On ``meta`` the training steps run with the torch and Triton cores (and the Pola mixers
+    with the fused core), under CUDA's autocast."""
     out = run(override(printed()[part], device='meta', sizes='64x96', warmup='0', repeats='1'),
               tmp_path)
     assert 'device meta' in out and 'dtype bf16' in out
     for base, name in (('swin-t', 'pola-swin-t'), ('swin-t', 'nalaformer-t'),
                        ('pvt-t', 'pola-pvt-t')):
         assert f'(live tensors of the GPU path): this / {base}' in out
-        for impl in ('fast', 'triton'):
+        for impl in ('fast', 'fused', 'triton') if name.startswith('pola') else ('fast', 'triton'):
             assert re.search(rf'^{name}\s+{impl}\s+64x96: operations [\d.]+x \(\d+ / \d+\); '
                              rf'bytes [\d.]+x; memory [\d.]+x', out, re.M), \
                 (name, impl, out[-3000:])
@@ -117,8 +118,10 @@ def test_training_steps_counted_as_on_a_gpu(part, tmp_path):
 def test_training_profile(tmp_path):
     argv = printed()['train_profile']
     assert argv[argv.index('--batch') + 1] == '8' and argv[argv.index('--dtype') + 1] == 'bf16'
+    assert argv[argv.index('--impls') + 1:argv.index('--impls') + 3] == ['fast', 'fused']
+    # the fused core's kernels run on CUDA: here the torch cores
     out = run(override(argv, device='cpu', dtype='fp32', sizes='64x96', repeats='1',
-                       warmup='0'), tmp_path)
+                       warmup='0', impls=['fast']), tmp_path)
     for name in ('swin-t | -', 'pola-swin-t | fast', 'nalaformer-t | fast', 'pvt-t | -',
                  'pola-pvt-t | fast'):
         assert f'# profile of {name}, 3 calls, 64x96:' in out, (name, out[-3000:])
@@ -152,7 +155,7 @@ def test_cores(part, tmp_path):
 
 def test_mask_rcnn(tmp_path):
     argv = printed()['maskrcnn']
-    assert argv[argv.index('--impls') + 1:argv.index('--impls') + 3] == ['fast', 'triton']
+    assert argv[argv.index('--impls') + 1:argv.index('--impls') + 4] == ['fast', 'fused', 'triton']
     assert argv[argv.index('--mmcv-ops') + 1] == 'mmcv'
     res = script('--print', 'maskrcnn', MMCV_OPS='torchvision')  # an mmcv without CUDA ops
     assert ' --mmcv-ops torchvision ' in res.stdout

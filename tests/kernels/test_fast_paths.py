@@ -156,7 +156,8 @@ def test_default_core_is_fast():
     m = PolaLinearAttention(16, 2, pretrain_hw=(2, 2))
     assert m.core == 'fast'
     assert PolaLinearAttention(16, 2, pretrain_hw=(2, 2), core='reference').core == 'reference'
-    with pytest.raises(ValueError, match="core must be one of .*'reference', 'fast', 'triton'"):
+    with pytest.raises(ValueError,
+                       match="core must be one of .*'reference', 'fast', 'fused', 'triton'"):
         PolaLinearAttention(16, 2, pretrain_hw=(2, 2), core='auto')
     with pytest.raises(TypeError, match="'fused' is now core"):
         build_attention(dict(type='PolaLinearAttention', fused=True), embed_dims=16, num_heads=2,

@@ -62,6 +62,13 @@ def builds(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope='module')
+def core_builds(builds):
+    """arch -> the launches of the Pola and NaLa Triton cores (the fused core's cases apart)."""
+    return {arch: [r for r in results if not r[0].startswith('fused ')]
+            for arch, results in builds.items()}
+
+
 def _cases(results):
     cases = {}
     for case, *launch in results:
@@ -88,8 +95,8 @@ def _error_need(message, kernels, limit):
 
 
 @pytest.mark.parametrize('arch', sorted(GPUS))
-def test_every_launch_fits_the_shared_memory(builds, arch):
-    cases = _cases(builds[arch])
+def test_every_launch_fits_the_shared_memory(core_builds, arch):
+    cases = _cases(core_builds[arch])
     assert len(cases) == 14
     failed = set()
     for case, launches in cases.items():
@@ -111,24 +118,24 @@ def test_every_launch_fits_the_shared_memory(builds, arch):
     assert failed == MAY_NOT_FIT[arch]
 
 
-def test_hopper_and_the_a100_keep_every_stage(builds):
+def test_hopper_and_the_a100_keep_every_stage(core_builds):
     # with float32 products every kernel keeps its three pipeline stages on Hopper and on the
     # A100 (with 0.6.10's launch the NaLa query and key gradients at d = 64 with the RoPE lost
     # one or two of them there)
     for arch in (90, 80):
-        launches = {(case, name): stages for case, name, stages, *_ in builds[arch]
+        launches = {(case, name): stages for case, name, stages, *_ in core_builds[arch]
                     if not case.endswith('tf32x3')}
         assert len(launches) == 48 and set(launches.values()) == {3}, (arch, launches)
 
 
-def test_the_stages_docs_benchmarks_gives(builds):
+def test_the_stages_docs_benchmarks_gives(core_builds):
     # docs/benchmarks.md, "On a GPU: NVIDIA H200 (version 0.6.11)": on 99 KB cards the NaLa
     # gradient passes at d = 64 with the RoPE run with one and two stages (in 0.6.10 the query
     # gradients did not fit there at all), its query gradients with bf16 inputs at d = 64 with
     # two, every other kernel with float32 products with three (since 0.6.12 the NaLa query
     # gradients at d = 32 too: with float32 inputs and 0.6.11's launch they needed 123392 bytes
     # with three stages, which left them two)
-    stages = {(case, name): launch[0] for case, name, *launch in builds[86]
+    stages = {(case, name): launch[0] for case, name, *launch in core_builds[86]
               if name != 'error' and not case.endswith('tf32x3')}
     assert stages.pop(('nala d64 bf16 rope', '_nala_query_grad_kernel')) == 2
     assert stages.pop(('nala d64 fp32 rope', '_nala_query_grad_kernel')) == 1
@@ -136,11 +143,11 @@ def test_the_stages_docs_benchmarks_gives(builds):
     assert set(stages.values()) == {3}, stages
 
 
-def test_a_kernel_that_cannot_fit_is_named(builds):
+def test_a_kernel_that_cannot_fit_is_named(core_builds):
     # on a 99 KB card the Pola query gradients at d = 64 with the products on the tensor cores
     # need more than that even with one stage: the error names the kernel, its need, the limit
     # and the precision asked for, before any launch of it
-    launches = _cases(builds[86])['pola d64 fp32 pe+temperature tf32x3']
+    launches = _cases(core_builds[86])['pola d64 fp32 pe+temperature tf32x3']
     errors = [launch for launch in launches if launch[0] == 'error']
     assert len(errors) == 1
     _error_need(errors[0][1], ['_pola_query_grad_kernel'], GPUS[86])
@@ -149,24 +156,24 @@ def test_a_kernel_that_cannot_fit_is_named(builds):
     assert [launch[0] for launch in launches if launch[0] != 'error'] == KERNELS['pola'][:2]
 
 
-def _hopper_spills(builds):
+def _hopper_spills(core_builds):
     """(case, kernel) -> bytes of spill stores on Hopper, for every launch with float32 products
     (the tf32x3 cases left out); skips where this Triton's ptxas was not found."""
-    spills = {(case, name): launch[2] for case, name, *launch in builds[90]
+    spills = {(case, name): launch[2] for case, name, *launch in core_builds[90]
               if name != 'error' and not case.endswith('tf32x3')}
     if any(v is None for v in spills.values()):
         pytest.skip("this Triton's ptxas was not found")
     return spills
 
 
-def test_head_dim_64_kernels_keep_their_accumulators_in_registers(builds):
+def test_head_dim_64_kernels_keep_their_accumulators_in_registers(core_builds):
     # ptxas -v on Hopper, float32 products: with 0.6.10's launch (4 warps, blocks of 64 tokens)
     # each kernel at d = 64 spilled about 2 to 50 KB per thread to local memory (bf16 inputs with
     # the position encoding and temperature, or the RoPE); with core_launch's 8 warps and blocks
     # of 16 none spills more than 2 KB, those with bf16 and the extras at most 1 KB (84 and 556
     # bytes in docs/benchmarks.md), and the forward kernels (the inference path) at every head
     # dim at most 512 bytes
-    spills = _hopper_spills(builds)
+    spills = _hopper_spills(core_builds)
     assert len(spills) == 48, spills
     d64 = {k: v for k, v in spills.items() if ' d64 ' in k[0]}
     assert len(d64) == 24 and max(d64.values()) <= 2048, d64
@@ -178,12 +185,36 @@ def test_head_dim_64_kernels_keep_their_accumulators_in_registers(builds):
     assert len(forward) == 24 and max(forward.values()) <= 512, forward
 
 
-def test_gradient_passes_up_to_head_dim_32_spill_nothing(builds):
+def test_gradient_passes_up_to_head_dim_32_spill_nothing(core_builds):
     # ptxas -v on Hopper, float32 products: with 0.6.11's launch at d <= 32 (4 warps, blocks of 64
     # tokens) the Pola query gradients spilled 1948 bytes per thread with bf16 inputs and 10228
     # with float32 inputs, the NaLa query and key gradients up to 1928 and 10752; with
     # core_launch's 8 warps and blocks of 32 for the gradient passes, none spills (bf16 and
     # float32 inputs, d = 12 and 32, with the position encoding and temperature or the RoPE)
-    spills = {k: v for k, v in _hopper_spills(builds).items()
+    spills = {k: v for k, v in _hopper_spills(core_builds).items()
               if ' d64 ' not in k[0] and k[1].endswith(('_query_grad_kernel', '_key_grad_kernel'))}
     assert len(spills) == 12 and set(spills.values()) == {0}, spills
+
+
+#: the fused Pola core's launches, forward and backward: the key and query features, then the
+#: query features again, their gradients, the key features, their gradients
+FUSED_LAUNCHES = ['_pola_features_kernel'] * 3 + ['_pola_feature_grads_kernel',
+                                                   '_pola_features_kernel',
+                                                   '_pola_feature_grads_kernel']
+
+
+@pytest.mark.parametrize('arch', sorted(GPUS))
+def test_the_fused_cores_elementwise_kernels_are_small(builds, arch):
+    # the fused core's kernels hold a tile of the map and no (d x d) state: every launch keeps
+    # its three pipeline stages with at most 4 KB of shared memory on every GPU, and on Hopper
+    # none spills (d = 12 float32, d = 32 and 64 bf16, with the position encoding and
+    # temperature)
+    cases = {case: launches for case, launches in _cases(builds[arch]).items()
+             if case.startswith('fused ')}
+    assert set(cases) == {'fused d12 fp32 pe+temperature', 'fused d32 bf16 pe+temperature',
+                          'fused d64 bf16 pe+temperature'}
+    for case, launches in cases.items():
+        assert [launch[0] for launch in launches] == FUSED_LAUNCHES, (case, launches)
+        for name, stages, shared, spills, _ in launches:
+            assert stages == 3 and shared <= 4096, (case, name, stages, shared)
+            assert spills in (None, 0) if arch == 90 else spills is None, (case, name, spills)

@@ -1,7 +1,8 @@
-"""The Triton cores compiled for a real GPU and checked on CUDA tensors against the float64
-reference cores: every input dtype (float32, bfloat16, float16), head dims 12 (padded to 16 inside
-the kernel), 32 and 64, batch 1 and 8, odd grids (37 x 53 tokens; Pola also with fewer keys than
-queries, as ``la_sr_ratio`` makes them), strided query views, and whole converted backbones.
+"""The Triton cores (and the fused Pola core's kernels) compiled for a real GPU and checked on
+CUDA tensors against the float64 reference cores: every input dtype (float32, bfloat16,
+float16), head dims 12 (padded to 16 inside the kernel), 32 and 64, batch 1 and 8, odd grids
+(37 x 53 tokens; Pola also with fewer keys than queries, as ``la_sr_ratio`` makes them), strided
+query views, and whole converted backbones.
 
 The reference runs on the same rounded inputs in float64, so a float32 output differs from it by
 float32 arithmetic alone (the kernels' products use ``input_precision='ieee'``, no TF32); an output
@@ -83,11 +84,15 @@ def test_pola_core_on_cuda(B, d, dtype, keys):
 @pytest.mark.parametrize('d', [12, 32, 64])
 @pytest.mark.parametrize('dtype', sorted(DTYPES))
 @pytest.mark.parametrize('keys', ['all', 'reduced'])
-def test_pola_core_gradients_on_cuda(B, d, dtype, keys):
-    """The Triton backward: the gradient of every input against plain autograd of the float64
-    reference (q, k, v and the position encoding get theirs in their dtype, p and the
-    temperature in float32)."""
+@pytest.mark.parametrize('core', ['triton', 'fused'])
+def test_pola_core_gradients_on_cuda(B, d, dtype, keys, core, monkeypatch):
+    """The Triton backward (and the fused core's: torch's products, Triton's elementwise passes):
+    the output and the gradient of every input against plain autograd of the float64 reference
+    (q, k, v and the position encoding get theirs in their dtype, p and the temperature in
+    float32)."""
+    from linattn_mm.ops.pola.fused import polarity_attention_fused
     from linattn_mm.ops.pola.triton import polarity_attention_triton
+    monkeypatch.setattr(torch.backends.cuda.matmul, 'allow_tf32', False)  # float32 products
     dt = DTYPES[dtype]
     g = seeded('pola grad', B, d, dtype, keys)
     h, N = 3, GRID[0] * GRID[1]
@@ -99,22 +104,29 @@ def test_pola_core_gradients_on_cuda(B, d, dtype, keys):
     pe = (0.3 * torch.randn(1, h, n, d, device='cuda', generator=g)).to(dt)
     leaves = [t.requires_grad_() for t in (q, k, v, p, s, pe)]
     grad = torch.randn(B, h, N, d, device='cuda', generator=g)
-    out = polarity_attention_triton(q, k, v, p, 1e-6, temperature=s, k_bias=pe,
-                                    out_dtype=torch.float32)
+    if core == 'fused':
+        out = polarity_attention_fused(q, k, v, p, 1e-6, temperature=s, k_bias=pe)
+    else:
+        out = polarity_attention_triton(q, k, v, p, 1e-6, temperature=s, k_bias=pe,
+                                        out_dtype=torch.float32)
+    assert out.dtype == torch.float32
     got = torch.autograd.grad(out, leaves, grad)
     ref = [t.detach().double().requires_grad_() for t in leaves]
     qq, kk, vv, pp, ss, bb = ref
-    want = torch.autograd.grad(
-        polarity_attention_reference(qq / ss, (kk + bb) / ss, vv, pp, 1e-6), ref, grad.double())
+    want_out = polarity_attention_reference(qq / ss, (kk + bb) / ss, vv, pp, 1e-6)
+    assert rel(out, want_out) < OUT_TOL[torch.float32]
+    want = torch.autograd.grad(want_out, ref, grad.double())
     for name, a, b, leaf in zip(('q', 'k', 'v', 'p', 'temperature', 'pe'), got, want, leaves):
         assert a.dtype == leaf.dtype and a.shape == leaf.shape, name
         err = rel(a, b)
         assert err < OUT_TOL[a.dtype], f'{dtype} d{d}: d{name} relative error {err:.3g}'
 
 
-def test_pola_swin_trains_on_cuda_with_the_triton_core(monkeypatch):
-    """A training step of a Pola-Swin backbone with every Pola mixer on the Triton core: the
-    output, the input's and every parameter's gradient against the float64 reference cores."""
+@pytest.mark.parametrize('core', ['triton', 'fused'])
+def test_pola_swin_trains_on_cuda_with_the_triton_core(monkeypatch, core):
+    """A training step of a Pola-Swin backbone with every Pola mixer on the Triton core (or the
+    fused core): the output, the input's and every parameter's gradient against the float64
+    reference cores."""
     monkeypatch.setattr(torch.backends.cudnn, 'allow_tf32', False)
     monkeypatch.setattr(torch.backends.cuda.matmul, 'allow_tf32', False)
     torch.manual_seed(0)
@@ -124,7 +136,7 @@ def test_pola_swin_trains_on_cuda_with_the_triton_core(monkeypatch):
                       out_indices=(0, 1, 2, 3), drop_path_rate=0.).cuda().train()
     randomise_pola_(net, 1)
     x = torch.randn(2, 3, 4 * GRID[0], 4 * GRID[1], device='cuda')
-    assert train_vs_reference(net, PolaLinearAttention, x) < 1e-5
+    assert train_vs_reference(net, PolaLinearAttention, x, core=core) < 1e-5
 
 
 @pytest.mark.parametrize('B', [1, 8])

@@ -8,7 +8,8 @@ active driver is replaced by one that names that GPU as its target and launches 
 kernel goes through Triton's real compiler and ``ptxas`` for it; :func:`launch_fitted` fits the
 pipeline stages to ``LIMIT`` as on that GPU. Each core runs forward and backward on CPU tensors of
 several head dims, dtypes and options, two of them with the products on the tensor cores
-(``tf32x3``; nothing is computed: the outputs are empty buffers). Prints
+(``tf32x3``; nothing is computed: the outputs are empty buffers), and so does the fused Pola
+core (cases ``fused ...``: its two elementwise kernels). Prints
 a JSON list, one entry per kernel launched: ``[case, kernel, stages, shared bytes, spill stores
 in bytes or None, compile seconds]``, or ``[case, 'error', message]`` for a case that raised. The
 seconds are those of Triton's compiler and ``ptxas`` for that launch, the stage fitting's
@@ -114,18 +115,22 @@ def main():
     dispatch._interpreting = lambda: True  # the cores' device checks accept CPU tensors
     dispatch._stage_limit = lambda device: LIMIT
     from linattn_mm.ops.nala.triton import nala_attention_triton
+    from linattn_mm.ops.pola.fused import polarity_attention_fused
     from linattn_mm.ops.pola.triton import polarity_attention_triton
 
     def qkv(d, dtype, B=2, h=2, N=77):
         return [torch.randn(B, h, N, d, dtype=dtype, requires_grad=True) for _ in range(3)]
 
-    def pola(d, dtype, extras):
+    def pola(d, dtype, extras, core=polarity_attention_triton):
         q, k, v = qkv(d, dtype)
         kw = dict(temperature=torch.ones(1, 2, 1, 1, requires_grad=True)) if extras else {}
         if extras:
             kw['k_bias'] = torch.randn(1, 2, 77, d, requires_grad=True)
         p = torch.full((1, 2, 1, d), 3.0, requires_grad=True)
-        return polarity_attention_triton(q, k, v, p, **kw)
+        return core(q, k, v, p, **kw)
+
+    def fused(d, dtype, extras):
+        return pola(d, dtype, extras, polarity_attention_fused)
 
     def nala(d, dtype, rope):
         q, k, v = qkv(d, dtype)
@@ -148,6 +153,10 @@ def main():
     # the products on the tensor cores (dispatch.triton_dot_precision)
     cases['pola d64 fp32 pe+temperature tf32x3'] = (pola, 64, torch.float32, True)
     cases['nala d64 fp32 rope tf32x3'] = (nala, 64, torch.float32, True)
+    # the fused Pola core's two elementwise kernels (its products are torch's)
+    for d, dtype in ((12, torch.float32), (32, torch.bfloat16), (64, torch.bfloat16)):
+        name = 'fp32' if dtype == torch.float32 else 'bf16'
+        cases[f'fused d{d} {name} pe+temperature'] = (fused, d, dtype, True)
     results = []
     for case, (fn, d, dtype, flag) in cases.items():
         del LAUNCHED[:]

@@ -1,7 +1,8 @@
 """Run by tests/kernels/test_pola_triton.py and tests/kernels/test_nala_triton.py in a subprocess with
 ``TRITON_INTERPRET=1`` (Triton's interpreter runs the kernels on CPU tensors; the variable must be
 set before the kernels are defined). Arguments: ``pola``, ``pola-grad`` (the Pola kernels'
-backward: the gradients of the core, of modules and of a backbone), ``nala`` and / or
+backward: the gradients of the core, of modules and of a backbone), ``pola-fused`` (the same
+gradients with the fused Pola core, :mod:`linattn_mm.ops.pola.fused`), ``nala`` and / or
 ``nala-grad`` (the same for NaLa) (default ``pola`` and ``nala``). Prints one JSON object: case name -> relative error against the float64
 reference."""
 import copy
@@ -17,6 +18,7 @@ from linattn_mm.models.backbones import LinAttnSwin
 from linattn_mm.models.backbones.nalaformer import NaLaFormer
 from linattn_mm.ops.nala.triton import nala_attention_triton
 from linattn_mm.ops.pola.reference import polarity_attention_reference as polarity_attention
+from linattn_mm.ops.pola.fused import polarity_attention_fused
 from linattn_mm.ops.pola.triton import polarity_attention_triton
 from oracles.nala import nala_reference_core
 
@@ -139,17 +141,22 @@ def run_modules(res):
                                                     torch.randn(1, 3, 64, 96))
 
 
-def run_core_grads(res):
-    """The Triton forward and backward of the core against plain autograd of the float64
-    reference on the same (rounded) inputs: the output and the gradient of every input (q, k, v
-    and the position encoding in their dtype, p and the temperature in float32)."""
+def run_core_grads(res, fused=False):
+    """The Triton forward and backward of the core (``fused``: the fused core) against plain
+    autograd of the float64 reference on the same (rounded) inputs: the output and the gradient
+    of every input (q, k, v and the position encoding in their dtype, p and the temperature in
+    float32)."""
     for i, case in enumerate(core_cases()):
         name, sc = case[0], case[7]
         leaves, grad = _pola_inputs(case, 100 + i)
         leaves = [t.requires_grad_() if t is not None else None for t in leaves]
         q, k, v, p, s, bias = leaves
-        out = polarity_attention_triton(q, k, v, p, 1e-6, temperature=s if sc else None,
-                                        k_bias=bias, out_dtype=torch.float32)
+        kw = dict(temperature=s if sc else None, k_bias=bias)
+        if fused:
+            out = polarity_attention_fused(q, k, v, p, 1e-6, **kw)
+            assert out.dtype == torch.float32
+        else:
+            out = polarity_attention_triton(q, k, v, p, 1e-6, out_dtype=torch.float32, **kw)
         names = ('q', 'k', 'v', 'p', 'temperature', 'pe')
         idx = [j for j, t in enumerate(leaves) if t is not None and (sc or j != 4)]
         got = torch.autograd.grad(out, [leaves[j] for j in idx], grad)
@@ -194,13 +201,14 @@ def train_vs_reference(net, mixer_cls, *inputs, core='triton'):
     return worst
 
 
-def run_module_grads(res):
-    """Training steps of Pola modules and of a Pola-Swin backbone on the Triton core."""
+def run_module_grads(res, core='triton'):
+    """Training steps of Pola modules and of a Pola-Swin backbone on the Triton core (or
+    ``core``)."""
     for name, m, x, hw in pola_modules(train=True):
-        res[f'train module {name}'] = train_vs_reference(m, PolaLinearAttention, x, hw)
+        res[f'train module {name}'] = train_vs_reference(m, PolaLinearAttention, x, hw, core=core)
     net = pola_swin(with_cp=True, drop_path_rate=0.).train()
     res['train Pola-Swin backbone, with_cp'] = train_vs_reference(
-        net, PolaLinearAttention, torch.randn(2, 3, 64, 96))
+        net, PolaLinearAttention, torch.randn(2, 3, 64, 96), core=core)
 
 
 def nala_cases():
@@ -321,6 +329,9 @@ if __name__ == '__main__':
     if 'pola-grad' in which:
         run_core_grads(results)
         run_module_grads(results)
+    if 'pola-fused' in which:
+        run_core_grads(results, fused=True)
+        run_module_grads(results, core='fused')
     if 'nala' in which:
         run_nala(results)
     if 'nala-grad' in which:

@@ -283,7 +283,7 @@ class NormAwareLinearAttention(NaLaMixerBase):
                 raise ValueError(f'{name}: query_power must be None (the norm-aware power) or a '
                                  f'positive number, got {query_power!r}')
             query_power = float(query_power)
-        self.core = check_core(name, core)
+        self.core = check_core(name, core, ('reference', 'fast', 'triton'))
         if kernel != 'official' and core == 'triton':
             raise ValueError(f"{name}: kernel={kernel!r} has no Triton core")
         if query_power is not None and core == 'triton':

@@ -105,7 +105,9 @@ class PolaLinearAttention(BaseTokenMixer):
             for its analytic backward; with it the conv term and the gated output projection keep
             no copies either, :mod:`linattn_mm.ops.lean_layers`; equal to the reference up to
             float rounding, gradients included), ``'reference'`` (plain autograd of the official
-            order of operations; the test oracle) or ``'triton'`` (the Triton kernels with their
+            order of operations; the test oracle), ``'fused'`` (the fast core's products with
+            its elementwise passes as two Triton kernels, a training core for CUDA:
+            :mod:`linattn_mm.ops.pola.fused`) or ``'triton'`` (the Triton kernels with their
             Triton backward, CUDA only: ``attn_cfg=dict(..., core='triton')`` trains with them;
             :func:`linattn_mm.deploy.convert` sets it for CUDA inference).
         eps (float): added to the normaliser. Default 1e-6.

@@ -122,13 +122,19 @@ def _query_weights(kvp, kvn, ksp, ksn, n, out_pos=None, out_neg=None):
 
 
 def _normalise_into(r, eps, out):
-    """Numerators over denominators: ``r`` (..., d + 2) (the query-side GEMM's result, even d)
-    into ``out`` (..., d), a view of any layout. The first ``d / 2`` channels of each head are the
-    same-signed stream (column ``d`` is its denominator), the rest the opposite-signed one."""
+    """Numerators over denominators: ``r`` (..., d + 2) (the query-side GEMM's result; its
+    denominators get ``eps`` added in place) into ``out`` (..., d), a view of any layout. The
+    first ``ceil(d / 2)`` channels of each head are the same-signed stream (column ``d`` is its
+    denominator), the rest the opposite-signed one."""
     d = r.shape[-1] - 2
+    d_s = (d + 1) // 2
     num, den = r[..., :d], r[..., d:].add_(eps)
-    into(torch.div, out.unflatten(-1, (2, d // 2)), num.unflatten(-1, (2, d // 2)),
-         den.unsqueeze(-1))
+    if 2 * d_s == d:
+        into(torch.div, out.unflatten(-1, (2, d_s)), num.unflatten(-1, (2, d_s)),
+             den.unsqueeze(-1))
+    else:  # odd head dim: unequal halves
+        into(torch.div, out[..., :d_s], num[..., :d_s], den[..., :1])
+        into(torch.div, out[..., d_s:], num[..., d_s:], den[..., 1:])
     return out
 
 
@@ -195,7 +201,6 @@ def polarity_forward(q, k, v, p, eps, inv_scale, k_bias, rows=None):
     the output (a (B, h, N, d) view of a (B, N, h, d) buffer) and ``W`` (B, h, 2d, d + 2)."""
     B, h, N, d = q.shape
     n = k.shape[-2]
-    d_s = (d + 1) // 2
     work = promote_types(p.dtype, core_dtype(q, k, v))
     step_k, step_q = chunk_rows(k, rows), chunk_rows(q, rows)
     fq = None
@@ -222,10 +227,5 @@ def polarity_forward(q, k, v, p, eps, inv_scale, k_bias, rows=None):
             r = polarity_features(q[:, :, sl].to(work), p, inv_scale) @ w
         else:
             r, fq = fq @ w, None
-        if d_s * 2 != d:  # odd head dim: unequal halves
-            num, den = r[..., :d], r[..., d:].add_(eps)
-            out[:, :, sl] = torch.cat([num[..., :d_s] / den[..., :1],
-                                       num[..., d_s:] / den[..., 1:]], dim=-1)
-        else:
-            _normalise_into(r, eps, out[:, :, sl])
+        _normalise_into(r, eps, out[:, :, sl])
     return out, w

@@ -1,0 +1,293 @@
+"""The fused training core of PolaFormer's polarity attention: the torch core's products, with its
+elementwise passes as two Triton kernels (CUDA; ``core='fused'``).
+
+The torch training Function (:mod:`linattn_mm.ops.pola.autograd`) makes the polarity features and
+takes their gradients back through the powers in some twenty elementwise operations, each a pass
+over a full (B, h, L, d) map; at 800×1344 those passes are most of the bytes a Pola-Swin-T training
+step moves on a GPU (``docs/benchmarks.md``, "Operations and memory per training step"). The
+Triton core (:mod:`linattn_mm.ops.pola.triton`) fuses everything, the products too, and Triton
+lowers its float32 (d × d) products to FMA loops that run far below the tensor cores' rate. Here
+each side keeps what it does best:
+
+* **Features** (one Triton launch per map, forward and backward): read ``x`` (q, or k and its
+  position encoding) in its own dtype, write ``[x+ | x-]`` (B, h, L, 2d) in float32:
+  ``y = (x [+ b]) / s``, ``a = |y|^p`` as ``exp2(p log2|y|)``, ``x+ = a [y > 0]``,
+  ``x- = a [y < 0]``.
+* **Products** in torch, as the torch core has them (cuBLAS, float32): ``[k+; k-]^T v`` and the key
+  sums, ``r = [q+ | q-] [W+; W-]``, ``dW = [q+ | q-]^T dR``, ``[dq+ | dq-] = dR W^T``,
+  ``dv = [k+ | k-] dKV``, ``[dk+ | dk-] = v dKV^T + dks`` (the formulas of
+  :mod:`linattn_mm.ops.pola.autograd`).
+* **Feature gradients** (one Triton launch per map): read ``x``, its position encoding and
+  ``[dx+ | dx-]``, recompute ``y``, ``log2|y|`` and ``a`` in registers, write
+  ``dx = G p / y / s`` (``G = da·a``, 0 at y = 0) in the input's dtype and, per chunk of tokens,
+  the partial sums of the exponents' gradient ``Σ G log2|y|`` (times ln 2 once summed) and of the
+  inverse temperature's ``Σ (G p / y)(x [+ b])``.
+
+Kept for backward: q, k, v (in their dtype, as they came), the position encoding, the parameters
+and ``[W+; W-]`` (B, h, 2d, d + 2), as the torch Function keeps them. The gradients are those of
+the plain autograd of the reference (tests: float32 to 1e-5 relative, bf16 and fp16 inputs to
+their rounding). Inputs float32, bfloat16 or float16 (the core computes in float32), on CUDA, or
+on CPU through Triton's interpreter (``TRITON_INTERPRET=1``), which is how the tests check it
+without a GPU. On ``meta`` tensors the two launches make their outputs only, so the operation and
+traffic counters see one operation each.
+"""
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from ..common import token_gram
+from ..dispatch import launch_fitted, padded_head_dims, triton_module
+from .autograd import _key_side_grads, _output_grad
+from .fast import _normalise_into, heads_buffer, joined_query_weights
+from .triton import _expand_bias, _per_head, check_qkv
+
+triton = triton_module()
+if triton is not None:
+    import triton.language as tl
+
+    from .triton import _features, _load_tile, _power_grads, _power_terms, _program
+
+__all__ = ['polarity_attention_fused', 'PolarityAttentionFused', 'FUSED_BLOCK_ELEMENTS']
+
+_LN2 = math.log(2.)
+
+#: elements of one tile (tokens × padded head dim) of the two kernels, with 4 warps: 16 float32
+#: values per thread and map
+FUSED_BLOCK_ELEMENTS = 2048
+_WARPS = 4
+#: programs of the gradients' kernel per multiprocessor (each sums its chunk's exponent and
+#: temperature terms): memory-bound kernels want many warps in flight on every multiprocessor
+_PROGRAMS_PER_SM = 16
+
+
+if triton is not None:
+
+    @triton.jit
+    def _pola_features_kernel(X, PE, P, S, F, L, h,
+                              s_xb, s_xh, s_xn, s_xd, s_pb, s_ph, s_pn, s_pd,
+                              D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
+                              HAS_PE: tl.constexpr, HAS_SCALE: tl.constexpr):
+        bh, blk, b, head, rd, dmask = _program(h, D, DP)
+        rn = blk * BLOCK + tl.arange(0, BLOCK)
+        m = (rn < L)[:, None] & dmask[None, :]
+        y = _load_tile(X, b, head, rn, rd, s_xb, s_xh, s_xn, s_xd, m)
+        if HAS_PE:
+            y += _load_tile(PE, b, head, rn, rd, s_pb, s_ph, s_pn, s_pd, m)
+        if HAS_SCALE:
+            y = y * tl.load(S + head * D + rd, mask=dmask, other=1.0)[None, :]
+        pos, neg = _features(y, tl.load(P + head * D + rd, mask=dmask, other=1.0)[None, :])
+        f = F + (bh * L + rn[:, None]) * (2 * D) + rd[None, :]
+        tl.store(f, pos, mask=m)
+        tl.store(f + D, neg, mask=m)
+
+    @triton.jit
+    def _pola_feature_grads_kernel(X, PE, P, S, DF, DX, DINV, DPOW, L, h, chunk,
+                                   s_xb, s_xh, s_xn, s_xd, s_pb, s_ph, s_pn, s_pd,
+                                   s_db, s_dh, s_dn, s_dd,
+                                   D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
+                                   HAS_PE: tl.constexpr, HAS_SCALE: tl.constexpr):
+        bh, split, b, head, rd, dmask = _program(h, D, DP)
+        p = tl.load(P + head * D + rd, mask=dmask, other=1.0)[None, :]
+        if HAS_SCALE:
+            inv_s = tl.load(S + head * D + rd, mask=dmask, other=1.0)[None, :]
+        acc_inv = tl.zeros((DP, ), dtype=tl.float32)
+        acc_pow = tl.zeros((DP, ), dtype=tl.float32)
+        start = split * chunk
+        for off in range(0, chunk, BLOCK):
+            rn = start + off + tl.arange(0, BLOCK)
+            m = (rn < L)[:, None] & dmask[None, :]
+            xb = _load_tile(X, b, head, rn, rd, s_xb, s_xh, s_xn, s_xd, m)
+            if HAS_PE:
+                xb += _load_tile(PE, b, head, rn, rd, s_pb, s_ph, s_pn, s_pd, m)
+            y = xb
+            if HAS_SCALE:
+                y = xb * inv_s
+            l2, a, _, _ = _power_terms(y, p)
+            df = DF + (bh * L + rn[:, None]) * (2 * D) + rd[None, :]
+            dpos = tl.load(df, mask=m, other=0.0)
+            dneg = tl.load(df + D, mask=m, other=0.0)
+            dy, dpw = _power_grads(y, l2, a, dpos, dneg, p)  # 0 outside the tile (y = 0)
+            acc_pow += tl.sum(dpw, axis=0)
+            dx = dy
+            if HAS_SCALE:
+                acc_inv += tl.sum(dy * xb, axis=0)
+                dx = dy * inv_s
+            tl.store(DX + b * s_db + head * s_dh + rn[:, None] * s_dn + rd[None, :] * s_dd,
+                     dx.to(DX.dtype.element_ty), mask=m)
+        part = (bh * tl.num_programs(1) + split) * DP + rd
+        tl.store(DINV + part, acc_inv)
+        tl.store(DPOW + part, acc_pow)
+
+
+def _block(d):
+    """Tokens of a tile at head dim ``d``: :data:`FUSED_BLOCK_ELEMENTS` over the padded dim."""
+    return max(16, FUSED_BLOCK_ELEMENTS // padded_head_dims(d))
+
+
+def _chunks(L, bh, block, device):
+    """(programs per (batch, head), tokens per program) of the gradients' kernel over ``L``
+    tokens: about :data:`_PROGRAMS_PER_SM` programs per multiprocessor in all (4 on CPU)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if \
+        device.type == 'cuda' else 4
+    blocks = triton.cdiv(L, block)
+    per_bh = max(1, min(blocks, triton.cdiv(_PROGRAMS_PER_SM * sms, bh)))
+    chunk = triton.cdiv(blocks, per_bh) * block
+    return triton.cdiv(L, chunk), chunk
+
+
+# ------------------------------------------------------------------------------------------------
+# The two launches as operators (``torch.ops.linattn_mm.pola_fused_*``), with fake forms: on
+# ``meta`` tensors they have shapes, and the counters of linattn_mm.utils count what each kernel
+# reads and writes.
+# ------------------------------------------------------------------------------------------------
+_LIB = 'linattn_mm::'
+
+
+def _features_output(x):
+    B, h, L, d = x.shape
+    return torch.empty(B, h, L, 2 * d, dtype=torch.float32, device=x.device)
+
+
+@torch.library.custom_op(_LIB + 'pola_fused_features', mutates_args=())
+def _features_op(x: torch.Tensor, pe: Optional[torch.Tensor], p: torch.Tensor,
+                 inv_s: Optional[torch.Tensor]) -> torch.Tensor:
+    """``[x+ | x-]`` (B, h, L, 2d), float32, of ``x`` (B, h, L, d) with the position encoding
+    ``pe`` (expanded to x's shape, or None), the exponents ``p`` and the inverse temperature
+    ``inv_s`` ((h, d) float32, or None)."""
+    B, h, L, d = x.shape
+    f = _features_output(x)
+    block = _block(d)
+    pe_t = x if pe is None else pe
+    launch_fitted(_pola_features_kernel, (B * h, triton.cdiv(L, block)),
+        x, pe_t, p, p if inv_s is None else inv_s, f, L, h, *x.stride(), *pe_t.stride(),
+        num_warps=_WARPS, D=d, DP=padded_head_dims(d), BLOCK=block, HAS_PE=pe is not None,
+        HAS_SCALE=inv_s is not None)
+    return f
+
+
+@_features_op.register_fake
+def _(x, pe, p, inv_s):
+    return _features_output(x)
+
+
+def _grads_outputs(x, dx_dtype):
+    B, h, L, d = x.shape
+    DP = padded_head_dims(d)
+    splits, chunk = _chunks(L, B * h, _block(d), x.device)
+    part = torch.empty(B * h, splits, DP, dtype=torch.float32, device=x.device)
+    return (x.new_empty(B, L, h, d, dtype=dx_dtype), part, torch.empty_like(part)), chunk
+
+
+@torch.library.custom_op(_LIB + 'pola_fused_feature_grads', mutates_args=())
+def _feature_grads_op(x: torch.Tensor, pe: Optional[torch.Tensor], p: torch.Tensor,
+                      inv_s: Optional[torch.Tensor], df: torch.Tensor,
+                      dx_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the gradient ``df`` (B, h, L, 2d) of ``[x+ | x-]`` (float32, contiguous): that of
+    ``x`` (also of the position encoding), a (B, L, h, d) buffer in ``dx_dtype``, and per chunk
+    of tokens the partial sums (B·h, chunks, DP) of the inverse temperature's gradient and of the
+    exponents' (in units of ln 2)."""
+    B, h, L, d = x.shape
+    (dx, d_inv, d_pow), chunk = _grads_outputs(x, dx_dtype)
+    dx_t = dx.transpose(1, 2)
+    pe_t = x if pe is None else pe
+    launch_fitted(_pola_feature_grads_kernel, (B * h, d_inv.shape[1]),
+        x, pe_t, p, p if inv_s is None else inv_s, df, dx_t, d_inv, d_pow, L, h, chunk,
+        *x.stride(), *pe_t.stride(), *dx_t.stride(), num_warps=_WARPS, D=d,
+        DP=padded_head_dims(d), BLOCK=_block(d), HAS_PE=pe is not None,
+        HAS_SCALE=inv_s is not None)
+    return dx, d_inv, d_pow
+
+
+@_feature_grads_op.register_fake
+def _(x, pe, p, inv_s, df, dx_dtype):
+    return _grads_outputs(x, dx_dtype)[0]
+
+
+def _feature_map(x, pe, p, inv_s):
+    return torch.ops.linattn_mm.pola_fused_features(x, pe, p, inv_s)
+
+
+def _feature_map_grads(x, pe, p, inv_s, df, dx_dtype):
+    return torch.ops.linattn_mm.pola_fused_feature_grads(x, pe, p, inv_s, df.contiguous(),
+                                                         dx_dtype)
+
+
+class PolarityAttentionFused(torch.autograd.Function):
+    """The fused core (module docstring). Inputs: q (B, h, N, d), k, v (B, h, n, d) (any strides;
+    float32, bfloat16 or float16), p and inv_scale (broadcastable to (1, h, 1, d); inv_scale =
+    1 / temperature or None), eps, k_bias (broadcastable to k, or None). The result is float32,
+    a (B, h, N, d) view of a (B, N, h, d) buffer; q, k, v and k_bias get their gradients in their
+    own dtypes, p and inv_scale in theirs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, p, eps, inv_scale, k_bias):
+        B, h, N, n, d = check_qkv('polarity_attention_fused', q, k, v, meta=True)
+        pf = _per_head(p, h, d, 'p').to(q.device)
+        inv_s = None if inv_scale is None else \
+            _per_head(inv_scale, h, d, 'temperature').to(q.device)
+        pe = _expand_bias(k_bias, (B, h, n, d))
+        fk = _feature_map(k, pe, pf, inv_s)
+        kv = token_gram(fk, v.to(torch.float32))
+        ks = fk.sum(dim=-2).unsqueeze(-1)
+        del fk
+        w = joined_query_weights(kv, ks, n)
+        out = _normalise_into(_feature_map(q, None, pf, inv_s) @ w, eps,
+                              heads_buffer(q, N, torch.float32))
+        ctx.save_for_backward(q, k, v, k_bias, pf, inv_s, w)
+        ctx.eps = float(eps)
+        ctx.p_meta = (p.shape, p.dtype)
+        ctx.inv_meta = None if inv_scale is None else (inv_scale.shape, inv_scale.dtype)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        q, k, v, k_bias, pf, inv_s, w = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        B, h, N, d = q.shape
+        n = k.shape[2]
+        pe = _expand_bias(k_bias, (B, h, n, d))
+        # queries: [q+ | q-] and r again, the output's gradient through the division, dW and
+        # the features' gradient, then through the powers
+        fq = _feature_map(q, None, pf, inv_s)
+        dr = _output_grad(fq @ w, grad.to(torch.float32), ctx.eps)
+        dw = token_gram(fq, dr)
+        del fq
+        dq, d_inv_q, d_pow_q = _feature_map_grads(q, None, pf, inv_s, dr @ w.transpose(-2, -1),
+                                              q.dtype)
+        del dr
+        # keys: k+^T v, k-^T v and the key sums' gradients from dW
+        dkv, dks = _key_side_grads(dw, d, n)
+        del dw
+        fk = _feature_map(k, pe, pf, inv_s)
+        dv = (fk @ dkv).to(v.dtype) if need[2] else None
+        del fk
+        dfk = (v.to(torch.float32) @ dkv.transpose(-2, -1)).add_(dks)
+        bias_grad = k_bias is not None and need[6]
+        dk, d_inv_k, d_pow_k = _feature_map_grads(k, pe, pf, inv_s, dfk,
+                                              torch.float32 if bias_grad else k.dtype)
+        del dfk
+
+        def per_param(q_part, k_part, meta, scale=1.0):
+            total = q_part.sum(1).add_(k_part.sum(1)).view(B, h, -1)[..., :d].sum(0)
+            shape, dtype = meta
+            return total.mul_(scale).view(1, h, 1, d).sum_to_size(shape).to(dtype)
+
+        d_p = per_param(d_pow_q, d_pow_k, ctx.p_meta, _LN2) \
+            if need[3] else None
+        d_inv = per_param(d_inv_q, d_inv_k, ctx.inv_meta) if inv_s is not None and need[5] \
+            else None
+        dk = dk.transpose(1, 2)
+        d_bias = dk.sum_to_size(k_bias.shape).to(k_bias.dtype) if bias_grad else None
+        return (dq.transpose(1, 2) if need[0] else None, dk.to(k.dtype) if need[1] else None,
+                dv, d_p, None, d_inv, d_bias)
+
+
+def polarity_attention_fused(q, k, v, p, eps=1e-6, temperature=None, k_bias=None):
+    """Polarity-aware linear attention, the fused core (module docstring); the arguments and the
+    result of :func:`~linattn_mm.ops.pola.autograd.polarity_attention_fast` (float32, a
+    (B, h, N, d) view of a (B, N, h, d) buffer), with gradients through
+    :class:`PolarityAttentionFused`."""
+    inv_scale = None if temperature is None else temperature.reciprocal()
+    return PolarityAttentionFused.apply(q, k, v, p, eps, inv_scale, k_bias)
