@@ -117,12 +117,11 @@ def close_process_group(wait=True):
 def set_attention_core(model, core):
     """Put every Pola mixer (``PolaLinearAttention``) and NaLa mixer (``NormAwareLinearAttention``)
     of a built ``model`` on the core ``core`` (:data:`linattn_mm.ops.dispatch.CORES`; ``'triton'``:
-    the Triton kernels, forward and backward, CUDA; ``'fused'``: Pola's torch products with its
-    elementwise passes in Triton, CUDA) and return how many there are. A ``ValueError`` when the
-    model has none, for an unknown core name, for ``'triton'`` or ``'fused'`` where the model is
-    not on a CUDA device (or Triton is missing), for ``'fused'`` on a NaLa mixer (Pola's core only)
-    or for a NaLa mixer whose feature map has no Triton core (the paper's kernel, a constant query
-    power), naming it."""
+    the Triton kernels, forward and backward, CUDA; ``'fused'``: the torch cores' products with
+    their elementwise passes in Triton, CUDA) and return how many there are. A ``ValueError`` when
+    the model has none, for an unknown core name, for ``'triton'`` or ``'fused'`` where the model
+    is not on a CUDA device (or Triton is missing), or for a NaLa mixer whose feature map has no
+    such core (the paper's kernel, a constant query power), naming it."""
     from linattn_mm.models.attentions.nala import NormAwareLinearAttention
     from linattn_mm.models.attentions.pola import PolaLinearAttention
     from linattn_mm.ops.dispatch import check_core, triton_available
@@ -135,14 +134,12 @@ def set_attention_core(model, core):
     if core in ('triton', 'fused') and not triton_available(device):
         raise ValueError(f'--attn-core {core}: the model is on {device}; the Triton kernels run '
                          f'on CUDA (with Triton installed)')
+    kind = {'triton': 'Triton', 'fused': 'fused'}.get(core)
     for name, m in mixers:
-        if core == 'fused' and isinstance(m, NormAwareLinearAttention):
-            raise ValueError(f"--attn-core fused: {name} is a NaLa mixer; the fused core is "
-                             f"Pola's ('fast' or 'triton' for NaLa)")
-        if core == 'triton' and isinstance(m, NormAwareLinearAttention) and (
+        if kind and isinstance(m, NormAwareLinearAttention) and (
                 m.kernel != 'official' or m.query_power is not None):
-            raise ValueError(f"--attn-core triton: {name} (kernel={m.kernel!r}, query_power="
-                             f"{m.query_power}) has no Triton core (the official kernel only)")
+            raise ValueError(f"--attn-core {core}: {name} (kernel={m.kernel!r}, query_power="
+                             f"{m.query_power}) has no {kind} core (the official kernel only)")
     for _, m in mixers:
         m.core = core
     return len(mixers)

@@ -67,6 +67,37 @@ def triton_interpret_checks(which):
     return json.loads(out.stdout)
 
 
+#: a NaLa gradient stored in bfloat16 / float16: within its rounding (Triton's interpreter
+#: converts float32 to bfloat16 by truncation, one unit in the last place; compiled kernels round
+#: to nearest); float32: 1e-5
+NALA_HALF_TOL = {'bf16': 2 ** -7 + 1e-5, 'fp16': 2 ** -11 + 1e-5}
+
+
+def assert_nala_core_grads(results):
+    """The ``grad ...`` entries of ``triton_interpret_checks('nala-grad')`` (or
+    ``'nala-fused'``): eight cases, the output and q, k, v each, within 1e-5 of the float64
+    reference, half-precision gradients within their rounding."""
+    core = {k: v for k, v in results.items() if k.startswith('grad ')}
+    assert len(core) == 32  # 8 cases: the output and q, k, v
+    for name, err in core.items():
+        half = next((t for t in NALA_HALF_TOL if f' {t} ' in name), None)
+        tol = NALA_HALF_TOL[half] if half and not name.endswith(': out') else 1e-5
+        assert err < tol, f'{name}: relative error {err:.3g}'
+
+
+def assert_nala_training_steps(results):
+    """The ``train ...`` entries of the same checks: the modules within 1e-5 of the float64
+    reference cores, the whole NaLaFormer within 1.5x the float32 error of the same network on
+    the default torch core (or 1e-5)."""
+    steps = {k: v for k, v in results.items() if k.startswith('train ')}
+    assert len(steps) == 4
+    baseline = steps.pop('train NaLaFormer backbone, with_cp, torch core (baseline)')
+    assert baseline < 1e-4
+    for name, err in steps.items():
+        tol = max(1e-5, 1.5 * baseline) if 'backbone' in name else 1e-5
+        assert err < tol, f'{name}: relative error {err:.3g} (torch core: {baseline:.3g})'
+
+
 def run_tool(args, cwd=REPO, timeout=900, env=None):
     """Run a tool script in a subprocess (``env``: variables to set there); return its output
     (asserting success)."""

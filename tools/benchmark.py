@@ -32,9 +32,10 @@ same weights, same inputs, and outputs are compared with the first):
   attention in groups, GEMM patch embedding, NaLaFormer's in-place blocks; CUDA: the Triton cores).
 * ``torch``: the unconverted model with the torch fast kernels :mod:`linattn_mm.ops.pola.fast` /
   :mod:`linattn_mm.ops.nala.fast` (``core='fast'``, what training runs).
-* ``fused``: the unconverted model with the Pola mixers on the fused core
-  (:mod:`linattn_mm.ops.pola.fused`: the torch core's products, its elementwise passes as Triton
-  kernels; CUDA, or ``meta`` to count; NaLa mixers keep ``core='fast'``).
+* ``fused``: the unconverted model with the Pola and NaLa mixers on their fused cores
+  (:mod:`linattn_mm.ops.pola.fused`, :mod:`linattn_mm.ops.nala.fused`: the torch cores'
+  products, their elementwise passes as Triton kernels; CUDA, or ``meta`` to count; NaLa mixers
+  whose feature map has no fused core keep ``core='fast'``).
 * ``triton``: the model converted for CUDA (the Triton cores; CUDA only).
 * ``reference``: the unconverted model with the reference cores (``core='reference'``).
 * ``official``: a straightforward implementation of the official forward written in this file
@@ -178,8 +179,7 @@ BACKBONES = {
 }
 
 POLA_IMPLS = ('fast', 'torch', 'fused', 'triton', 'reference', 'official')
-#: the mixers' ``core`` under each implementation (``fast`` / ``triton`` then convert the model;
-#: ``fused`` is Pola's core only, NaLa mixers keep ``fast`` there)
+#: the mixers' ``core`` under each implementation (``fast`` / ``triton`` then convert the model)
 CORE = {'fast': 'fast', 'torch': 'fast', 'fused': 'fused', 'triton': 'fast',
         'reference': 'reference', 'official': 'reference'}
 #: peak memory bandwidth (GB/s) by device name (first match; PCIe before the SXM default)
@@ -261,12 +261,13 @@ def nala_modules(model):
 def set_impl(model, impl, ffn='auto', device=None, train=False):
     """Give ``model`` the implementation ``impl`` (see the module docstring), undoing the previous
     one: ``fast`` and ``triton`` convert the model (:func:`linattn_mm.deploy.convert`, for CPU or
-    CUDA), ``torch`` and ``reference`` leave it unconverted with the mixers' ``core`` set to
-    ``'fast'`` / ``'reference'``, ``official`` binds the official Pola forward (NaLa mixers: their
-    reference core). ``ffn='plain'`` keeps the blocks unconverted (the mixers alone differ). For
-    training (``train``) nothing is converted: ``fast`` is the default training form, ``triton``
-    puts the Pola and NaLa mixers (official kernel) on their Triton cores, forward and backward
-    (CUDA, or ``meta`` to count what their kernels move)."""
+    CUDA), ``torch``, ``fused`` and ``reference`` leave it unconverted with the mixers' ``core``
+    set to ``'fast'`` / ``'fused'`` / ``'reference'`` (``fused``: CUDA, or ``meta`` to count; NaLa
+    mixers with a constant query power keep ``'fast'``), ``official`` binds the official Pola
+    forward (NaLa mixers: their reference core). ``ffn='plain'`` keeps the blocks unconverted (the
+    mixers alone differ). For training (``train``) nothing is converted: ``fast`` is the default
+    training form, ``triton`` puts the Pola and NaLa mixers (official kernel) on their Triton
+    cores, forward and backward (CUDA, or ``meta`` to count what their kernels move)."""
     if train:
         impl = 'torch' if impl == 'fast' else impl
         if impl == 'triton':
@@ -291,10 +292,11 @@ def set_impl(model, impl, ffn='auto', device=None, train=False):
     for m in pola_modules(model):
         m.__dict__.pop('forward', None)
     for m in model.modules():
-        if isinstance(m, PolaLinearAttention) or isinstance(m, NormAwareLinearAttention) and \
-                m.kernel == 'official':
-            nala_fused = impl == 'fused' and isinstance(m, NormAwareLinearAttention)
-            m.core = 'fast' if nala_fused else CORE[impl]
+        if isinstance(m, PolaLinearAttention):
+            m.core = CORE[impl]
+        elif isinstance(m, NormAwareLinearAttention) and m.kernel == 'official':
+            # the paper's map with a constant query power has no fused core
+            m.core = 'fast' if impl == 'fused' and m.query_power is not None else CORE[impl]
     if impl == 'official':
         for m in pola_modules(model):
             m.forward = types.MethodType(official_pola_forward, m)
@@ -947,8 +949,6 @@ def _main(args):
             _randomise_pola(model, args.seed)
             has_mixers = bool(pola_modules(model) or nala_modules(model))
             impls = args.impls if has_mixers else ['-']
-            if not pola_modules(model):  # 'fused' is the Pola core's: here it changes nothing
-                impls = [i for i in impls if i != 'fused'] or ['fast']
             built.append((name, model, call, impls, has_mixers,
                           sum(p.numel() for p in model.parameters())))
         for hw in sizes:
@@ -1219,8 +1219,6 @@ def run_core(args, device, note=None):
     if bad:
         raise SystemExit(f'--mode core: implementations {bad} are not cores; choose from '
                          f'{CORE_IMPLS}')
-    if 'fused' in impls and args.attn == 'nala':
-        raise SystemExit("--impls fused is the Pola core's (--attn pola)")
     if 'triton-w4b64' in impls and (not args.backward or padded_head_dims(args.head_dims) > 32):
         raise SystemExit('--impls triton-w4b64 (the gradient passes launched as up to 0.6.11 at '
                          'head dims up to 32) needs --backward and --head-dims of 32 or less')

@@ -15,23 +15,23 @@
 #                 products, Triton's elementwise passes) against the torch Function and the
 #                 reference, with the achieved bandwidth and a profile of each (the kernels that
 #                 take the most time)
-#   nala_core     the same for the NaLa core (no fused core)
+#   nala_core     the same for the NaLa core
 #   pola_core64, nala_core64
 #                 the same at head dim 64, one head (Pola-PVT-T's and NaLaFormer-T's first stage),
 #                 where the CUDA conversion keeps the torch core (max_head_dims) until these show
 #                 the Triton cores faster
 #   train_b8      training steps at 800×1344, bf16 autocast, batch 8: Pola-Swin-T, NaLaFormer-T
-#                 and Pola-PVT-T (torch, fused (Pola) and Triton cores) against the stock Swin-T
-#                 and PVT-T
+#                 and Pola-PVT-T (torch, fused and Triton cores) against the stock Swin-T and
+#                 PVT-T
 #   train_b1      the same at batch 1
 #   train_profile where the time of those steps goes: three bf16 training steps at batch 8 of
-#                 each backbone (torch cores, and Pola's fused core) under torch.profiler, the
-#                 kernels that took the most GPU time
+#                 each backbone (torch and fused cores) under torch.profiler, the kernels that
+#                 took the most GPU time
 #   infer_b8      inference at 800×1344, bf16, batch 8: converted (Triton) and unconverted
 #   infer_b1      the same at batch 1
 #   maskrcnn      a Mask R-CNN training iteration, batch 2, 1333×800, float32: the Pola-Swin-T
-#                 and NaLaFormer-T configs (torch, fused (Pola) and Triton cores) against the stock
-#                 Swin-T config
+#                 and NaLaFormer-T configs (torch, fused and Triton cores) against the stock Swin-T
+#                 config
 #                 (MMCV_OPS=torchvision: NMS and RoIAlign on torchvision's kernels, for an mmcv
 #                 built without its CUDA ops)
 #
@@ -64,16 +64,15 @@ part_command() {
                 tests/kernels/test_triton_fallback.py tests/models/test_amp.py \
                 tests/models/test_deploy.py ;;
         pola_core|nala_core)
-            # the fused core is Pola's
             printf '%s\n' "$PY" tools/benchmark.py --mode core --attn "${part%_core}" --backward \
                 "${GPU[@]}" --dtype bf16 --grid 128x128 256x256 --batch 8 \
-                --impls triton triton-tf32x3 triton-w4b64 $([ "$part" = pola_core ] && echo fused) \
-                torch reference --compare torch --profile 5 --json "$out/$part.json" ;;
+                --impls triton triton-tf32x3 triton-w4b64 fused torch reference --compare torch \
+                --profile 5 --json "$out/$part.json" ;;
         pola_core64|nala_core64)
             printf '%s\n' "$PY" tools/benchmark.py --mode core --attn "${part%_core64}" \
                 --backward "${GPU[@]}" --dtype bf16 --grid 128x128 256x256 --batch 8 \
-                --heads 1 --head-dims 64 --impls triton $([ "$part" = pola_core64 ] && echo fused) \
-                torch reference --compare torch --profile 5 --json "$out/$part.json" ;;
+                --heads 1 --head-dims 64 --impls triton fused torch reference --compare torch \
+                --profile 5 --json "$out/$part.json" ;;
         train_b8|train_b1)
             printf '%s\n' "$PY" tools/benchmark.py --mode train "${BACKBONES[@]}" "${GPU[@]}" \
                 --dtype bf16 --sizes 800x1344 --batch "${part#train_b}" --impls fast fused triton \

@@ -9,8 +9,8 @@ Same flags as the stock OpenMMLab ``tools/train.py``:
 
 ``--attn-core triton`` trains every Pola and NaLa mixer of the model with the Triton kernels of
 its core, forward and backward (CUDA; the default is the torch training Function,
-``core='fast'``; ``linattn_mm.cli.set_attention_core``). ``--attn-core fused`` trains the Pola
-mixers with the fused core (torch's products, the elementwise passes as Triton kernels; CUDA).
+``core='fast'``; ``linattn_mm.cli.set_attention_core``). ``--attn-core fused`` trains them with
+the fused cores (torch's products, the elementwise passes as Triton kernels; CUDA).
 
 ``--demo`` runs CONFIG on the generated demo data with the demo schedule (``linattn_mm.demo``).
 """
@@ -38,8 +38,8 @@ def parse_args(argv=None):
                    'inductor, or the one named; linattn_mm.CompileBackboneHook)')
     p.add_argument('--attn-core', choices=CORES, default=None,
                    help="the core of every Pola and NaLa mixer of the model ('triton': the "
-                   "Triton kernels, forward and backward, CUDA; 'fused': Pola's torch products "
-                   'with its elementwise passes in Triton, CUDA, Pola mixers only)')
+                   "Triton kernels, forward and backward, CUDA; 'fused': the torch cores' "
+                   'products with their elementwise passes in Triton, CUDA)')
     return parse_with_common(add_common_args(p), argv)
 
 

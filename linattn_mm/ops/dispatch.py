@@ -2,11 +2,12 @@
 Triton failure.
 
 Every linear family exposes its kernels behind one signature and a ``core`` name (``'reference'``,
-``'fast'``, ``'triton'``) that a mixer fixes at construction and :func:`linattn_mm.deploy.convert`
-may change once for inference; nothing here looks at a call's device or gradient to choose. The
-Triton kernels are CUDA kernels (Triton's interpreter runs them on CPU tensors under
-``TRITON_INTERPRET=1``): forward and backward of Pola's and of NaLa's (official kernel); Triton
-is imported on first use only.
+``'fast'``, ``'fused'``, ``'triton'``) that a mixer fixes at construction and
+:func:`linattn_mm.deploy.convert` may change once for inference; nothing here looks at a call's
+device or gradient to choose. The Triton kernels are CUDA kernels (Triton's interpreter runs them
+on CPU tensors under ``TRITON_INTERPRET=1``): forward and backward of Pola's and of NaLa's
+(official kernel), and the elementwise kernels of their fused cores; Triton is imported on first
+use only.
 """
 import contextlib
 import os
@@ -17,9 +18,12 @@ import torch
 __all__ = ['CORES', 'check_core', 'TRITON_DTYPES', 'triton_module', 'triton_available',
            'TRITON_FAILURES', 'note_triton_failure', 'launch_fitted', 'shared_memory_limit',
            'DOT_PRECISIONS', 'dot_precision', 'triton_dot_precision', 'core_launch',
-           'CORE_LAUNCHES', 'core_blocks', 'triton_core_launch', 'padded_head_dims']
+           'CORE_LAUNCHES', 'core_blocks', 'triton_core_launch', 'padded_head_dims',
+           'FUSED_BLOCK_ELEMENTS', 'FUSED_WARPS', 'FUSED_PROGRAMS_PER_SM', 'fused_block',
+           'fused_chunks', 'multiprocessors']
 
-#: the names of the attention cores of the linear families (``'fused'``: Pola's only)
+#: the names of the attention cores of the linear families (``'fused'`` and ``'triton'``: Pola's
+#: and NaLa's official kernel)
 CORES = ('reference', 'fast', 'fused', 'triton')
 
 #: input dtypes the Triton kernels read
@@ -153,6 +157,40 @@ def triton_core_launch(forward=None, backward=None):
         yield
     finally:
         _LAUNCH_OVERRIDES.pop()
+
+
+#: elements of one tile (tokens × padded head dim) of the fused cores' elementwise kernels
+#: (:mod:`linattn_mm.ops.pola.fused`, :mod:`linattn_mm.ops.nala.fused`), with
+#: :data:`FUSED_WARPS` warps: 16 float32 values per thread and map
+FUSED_BLOCK_ELEMENTS = 2048
+FUSED_WARPS = 4
+#: programs per multiprocessor of the fused cores' kernels that sum over their chunk of tokens:
+#: memory-bound kernels want many warps in flight on every multiprocessor
+FUSED_PROGRAMS_PER_SM = 16
+
+
+def multiprocessors(device):
+    """The multiprocessors of the CUDA ``device`` (4 for any other device: the grids of the
+    interpreter's and ``meta``'s launches)."""
+    if device.type != 'cuda':
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def fused_block(d):
+    """Tokens of a tile of the fused cores' kernels at head dim ``d``:
+    :data:`FUSED_BLOCK_ELEMENTS` over the padded dim (:func:`padded_head_dims`)."""
+    return max(16, FUSED_BLOCK_ELEMENTS // padded_head_dims(d))
+
+
+def fused_chunks(length, bh, block, device):
+    """``(programs, tokens)`` per (batch, head) of a fused core's kernel over ``length`` tokens in
+    blocks of ``block``: about :data:`FUSED_PROGRAMS_PER_SM` programs per multiprocessor of the
+    CUDA ``device`` in all (4 multiprocessors elsewhere), each taking a whole number of blocks."""
+    blocks = -(-length // block)
+    per_bh = max(1, min(blocks, -(-FUSED_PROGRAMS_PER_SM * multiprocessors(device) // bh)))
+    chunk = -(-blocks // per_bh) * block
+    return -(-length // chunk), chunk
 
 
 #: pipeline stages chosen by :func:`launch_fitted`, per kernel, launch options, device and the

@@ -261,6 +261,14 @@ TABLE = {
     '--sizes 800x1344 --device meta --dtype bf16 --warmup 0 --repeats 1 --impls fast triton '
     '--compare swin-t pola-pvt-t:pvt-t --roofline h200':
         Run('benchmark_bf16_operations', 'as written (meta tensors under CUDA\'s autocast)'),
+    'python tools/benchmark.py --mode train swin-t pola-swin-t pvt-t pola-pvt-t --sizes 800x1344 '
+    '--device meta --dtype bf16 --warmup 0 --repeats 1 --impls fast fused triton --compare '
+    'swin-t pola-pvt-t:pvt-t --roofline h200':
+        Run('benchmark_fused_pola_operations', 'as written (meta tensors under CUDA\'s autocast)'),
+    'python tools/benchmark.py --mode train swin-t nalaformer-t --sizes 800x1344 --device meta '
+    '--dtype bf16 --warmup 0 --repeats 1 --impls fast fused triton --compare swin-t --roofline '
+    'h200':
+        Run('benchmark_fused_nala_operations', 'as written (meta tensors under CUDA\'s autocast)'),
     'python tools/benchmark.py --mode train swin-t pola-swin-t nalaformer-t --sizes 800x1344 '
     '--device meta --dtype bf16 --warmup 0 --repeats 1 --impls triton --ops-by-module 8 '
     '--compare swin-t':
@@ -889,6 +897,32 @@ def case_benchmark_bf16_operations(sh, tmp_path):
          ('nalaformer-t', 'fast'), ('nalaformer-t', 'triton'), ('pvt-t', '-'),
          ('pola-pvt-t', 'fast'), ('pola-pvt-t', 'triton')),
         {'pola-swin-t': 0, 'nalaformer-t': 0, 'pola-pvt-t': 5})
+
+
+def case_benchmark_fused_pola_operations(sh, tmp_path):
+    """The same for the fused cores' Pola table ("The fused cores"): the torch, fused and Triton
+    Pola cores of Pola-Swin-T and Pola-PVT-T and the two stock backbones, under autocast."""
+    _check_triton_table(
+        sh, 'python tools/benchmark.py --mode train swin-t pola-swin-t pvt-t pola-pvt-t --sizes '
+        '800x1344 --device meta --dtype bf16 --warmup 0 --repeats 1 --impls fast fused triton '
+        '--compare swin-t pola-pvt-t:pvt-t --roofline h200',
+        '| bf16 training step, 800×1344, fused cores | Swin-T (stock) | Pola-Swin-T, torch core',
+        (('swin-t', '-'), ('pola-swin-t', 'fast'), ('pola-swin-t', 'fused'),
+         ('pola-swin-t', 'triton'), ('pvt-t', '-'), ('pola-pvt-t', 'fast'),
+         ('pola-pvt-t', 'fused'), ('pola-pvt-t', 'triton')),
+        {'pola-swin-t': 0, 'pola-pvt-t': 4})
+
+
+def case_benchmark_fused_nala_operations(sh, tmp_path):
+    """The same for the fused cores' NaLa table (NaLaFormer-T)."""
+    _check_triton_table(
+        sh, 'python tools/benchmark.py --mode train swin-t nalaformer-t --sizes 800x1344 --device '
+        'meta --dtype bf16 --warmup 0 --repeats 1 --impls fast fused triton --compare swin-t '
+        '--roofline h200',
+        '| bf16 training step, 800×1344, fused cores | Swin-T (stock) | NaLaFormer-T, torch core',
+        (('swin-t', '-'), ('nalaformer-t', 'fast'), ('nalaformer-t', 'fused'),
+         ('nalaformer-t', 'triton')),
+        {'nalaformer-t': 0})
 
 
 def case_benchmark_ops_by_module(sh, tmp_path):

@@ -101,15 +101,15 @@ def test_no_gpu_is_named(tmp_path):
 
 @pytest.mark.parametrize('part', ['train_b8', 'train_b1'])
 def test_training_steps_counted_as_on_a_gpu(part, tmp_path):
-    """On ``meta`` the training steps run with the torch and Triton cores (and the Pola mixers
-    with the fused core), under CUDA's autocast."""
+    """On ``meta`` the training steps run with the torch, fused and Triton cores, under CUDA's
+    autocast."""
     out = run(override(printed()[part], device='meta', sizes='64x96', warmup='0', repeats='1'),
               tmp_path)
     assert 'device meta' in out and 'dtype bf16' in out
     for base, name in (('swin-t', 'pola-swin-t'), ('swin-t', 'nalaformer-t'),
                        ('pvt-t', 'pola-pvt-t')):
         assert f'(live tensors of the GPU path): this / {base}' in out
-        for impl in ('fast', 'fused', 'triton') if name.startswith('pola') else ('fast', 'triton'):
+        for impl in ('fast', 'fused', 'triton'):
             assert re.search(rf'^{name}\s+{impl}\s+64x96: operations [\d.]+x \(\d+ / \d+\); '
                              rf'bytes [\d.]+x; memory [\d.]+x', out, re.M), \
                 (name, impl, out[-3000:])

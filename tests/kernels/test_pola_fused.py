@@ -10,6 +10,7 @@ import linattn_mm.ops.pola.fused as pf
 from linattn_mm.cli import set_attention_core
 from linattn_mm.models.attentions.nala import NormAwareLinearAttention
 from linattn_mm.models.attentions.pola import PolaLinearAttention
+from linattn_mm.ops.dispatch import fused_block, fused_chunks
 from linattn_mm.ops.pola import polarity_attention
 from linattn_mm.utils import TrafficCounter
 from harness import triton_interpret_checks
@@ -52,7 +53,7 @@ def test_training_steps_on_the_fused_core_equal_the_reference(interpreted):
         assert err < TOL, f'{name}: relative error {err:.3g}'
 
 
-def test_fused_core_on_meta_is_four_launches_with_their_traffic():
+def test_fused_core_on_meta_is_six_launches_with_their_traffic():
     # a training step on meta tensors: the features of k and q (forward), of q and k again with
     # their gradients (backward), each one operation that reads its inputs once and writes its
     # outputs once; the products are torch's
@@ -70,7 +71,7 @@ def test_fused_core_on_meta_is_four_launches_with_their_traffic():
     half, full, param = B * h * N * d * 2, B * h * N * d * 4, h * d * 4  # bytes
     pe_bytes = h * N * d * 4  # broadcast over the batch: addressed once
     features = 2 * full  # [x+ | x-], float32
-    parts = B * h * pf._chunks(N, B * h, pf._block(d), torch.device('meta'))[0] * 16 * 4
+    parts = B * h * fused_chunks(N, B * h, fused_block(d), torch.device('meta'))[0] * 16 * 4
     want = [('pola_fused_features', half + pe_bytes + 2 * param + features),  # k, pe -> [k+|k-]
             ('pola_fused_features', half + 2 * param + features),  # q -> [q+ | q-]
             ('pola_fused_features', half + 2 * param + features),  # backward: q again
@@ -122,21 +123,26 @@ def test_bad_inputs_and_devices_are_named(monkeypatch):
         pf.polarity_attention_fused(q, torch.randn(1, 2, 8, 5), q, p)
 
 
-def test_the_fused_core_is_polas_only():
-    with pytest.raises(ValueError, match=r"core must be one of \('reference', 'fast', "
-                                         r"'triton'\), got 'fused'"):
-        NormAwareLinearAttention(32, 2, core='fused')
+def test_fused_core_options_are_named(monkeypatch):
+    # the NaLa mixers' fused core runs the official kernel with the norm-aware power only (as
+    # the Triton core); --attn-core fused needs CUDA (or the interpreter) and names a NaLa mixer
+    # without one
+    monkeypatch.delenv('TRITON_INTERPRET', raising=False)
+    with pytest.raises(ValueError, match="kernel='paper' has no fused core"):
+        NormAwareLinearAttention(32, 2, kernel='paper', core='fused')
+    with pytest.raises(ValueError, match='a constant query_power has no fused core'):
+        NormAwareLinearAttention(32, 2, query_power=2., core='fused')
     mixer = PolaLinearAttention(32, 2, pretrain_hw=(4, 4), core='fused')
     assert mixer.core == 'fused'
     with pytest.raises(ValueError, match='--attn-core fused: the model is on cpu'):
         set_attention_core(mixer, 'fused')
-
-
-def test_attn_core_fused_names_a_nala_mixer(monkeypatch):
     monkeypatch.setenv('TRITON_INTERPRET', '1')  # Triton "available" on CPU: the NaLa check
     model = torch.nn.Sequential(PolaLinearAttention(32, 2, pretrain_hw=(4, 4)),
-                                NormAwareLinearAttention(32, 2))
-    with pytest.raises(ValueError, match=r"--attn-core fused: 1 is a NaLa mixer; the fused "
-                                         r"core is Pola's"):
+                                NormAwareLinearAttention(32, 2, kernel='paper'))
+    with pytest.raises(ValueError, match=r"--attn-core fused: 1 \(kernel='paper', query_power="
+                                         r"None\) has no fused core"):
         set_attention_core(model, 'fused')
-    assert set_attention_core(model[:1], 'fused') == 1 and model[0].core == 'fused'
+    assert model[0].core == 'fast', 'nothing set when refused'
+    model[1].kernel = 'official'
+    assert set_attention_core(model, 'fused') == 2
+    assert model[0].core == model[1].core == 'fused'

@@ -196,25 +196,32 @@ def test_gradient_passes_up_to_head_dim_32_spill_nothing(core_builds):
     assert len(spills) == 12 and set(spills.values()) == {0}, spills
 
 
-#: the fused Pola core's launches, forward and backward: the key and query features, then the
-#: query features again, their gradients, the key features, their gradients
-FUSED_LAUNCHES = ['_pola_features_kernel'] * 3 + ['_pola_feature_grads_kernel',
-                                                   '_pola_features_kernel',
-                                                   '_pola_feature_grads_kernel']
+#: the fused cores' launches, forward and backward: Pola's key and query features, then the
+#: query features again, their gradients, the key features, their gradients; NaLa's the same
+FUSED_LAUNCHES = {
+    'pola': ['_pola_features_kernel'] * 3 + ['_pola_feature_grads_kernel',
+                                             '_pola_features_kernel',
+                                             '_pola_feature_grads_kernel'],
+    'nala': ['_nala_fused_features_kernel'] * 3 + ['_nala_fused_query_grads_kernel',
+                                                   '_nala_fused_features_kernel',
+                                                   '_nala_fused_key_grads_kernel']}
 
 
 @pytest.mark.parametrize('arch', sorted(GPUS))
 def test_the_fused_cores_elementwise_kernels_are_small(builds, arch):
-    # the fused core's kernels hold a tile of the map and no (d x d) state: every launch keeps
+    # the fused cores' kernels hold a tile of the map and no (d x d) state: every launch keeps
     # its three pipeline stages with at most 4 KB of shared memory on every GPU, and on Hopper
-    # none spills (d = 12 float32, d = 32 and 64 bf16, with the position encoding and
-    # temperature)
+    # none spills (d = 12 float32, d = 32 and 64 bf16; Pola with the position encoding and
+    # temperature, NaLa with the RoPE and at d = 32 without)
     cases = {case: launches for case, launches in _cases(builds[arch]).items()
              if case.startswith('fused ')}
-    assert set(cases) == {'fused d12 fp32 pe+temperature', 'fused d32 bf16 pe+temperature',
-                          'fused d64 bf16 pe+temperature'}
+    assert set(cases) == {f'fused {family} d{d} {dtype} {extras}'
+                          for family, extras in (('pola', 'pe+temperature'), ('nala', 'rope'))
+                          for d, dtype in ((12, 'fp32'), (32, 'bf16'), (64, 'bf16'))} | {
+                              'fused nala d32 bf16'}
     for case, launches in cases.items():
-        assert [launch[0] for launch in launches] == FUSED_LAUNCHES, (case, launches)
+        family = case.split()[1]
+        assert [launch[0] for launch in launches] == FUSED_LAUNCHES[family], (case, launches)
         for name, stages, shared, spills, _ in launches:
             assert stages == 3 and shared <= 4096, (case, name, stages, shared)
             assert spills in (None, 0) if arch == 90 else spills is None, (case, name, spills)

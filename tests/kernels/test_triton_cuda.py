@@ -1,4 +1,4 @@
-"""The Triton cores (and the fused Pola core's kernels) compiled for a real GPU and checked on
+"""The Triton cores (and the fused cores' kernels) compiled for a real GPU and checked on
 CUDA tensors against the float64 reference cores: every input dtype (float32, bfloat16,
 float16), head dims 12 (padded to 16 inside the kernel), 32 and 64, batch 1 and 8, odd grids
 (37 x 53 tokens; Pola also with fewer keys than queries, as ``la_sr_ratio`` makes them), strided
@@ -123,7 +123,7 @@ def test_pola_core_gradients_on_cuda(B, d, dtype, keys, core, monkeypatch):
 
 
 @pytest.mark.parametrize('core', ['triton', 'fused'])
-def test_pola_swin_trains_on_cuda_with_the_triton_core(monkeypatch, core):
+def test_pola_swin_trains_on_cuda(monkeypatch, core):
     """A training step of a Pola-Swin backbone with every Pola mixer on the Triton core (or the
     fused core): the output, the input's and every parameter's gradient against the float64
     reference cores."""
@@ -166,10 +166,13 @@ def test_nala_core_on_cuda(B, d, dtype, rope):
 @pytest.mark.parametrize('d', [12, 32, 64])
 @pytest.mark.parametrize('dtype', sorted(DTYPES))
 @pytest.mark.parametrize('rope', [True, False])
-def test_nala_core_gradients_on_cuda(B, d, dtype, rope):
-    """The NaLa Triton backward: the gradients of q, k, v (in their dtype) against plain
-    autograd of the float64 reference core."""
+@pytest.mark.parametrize('core', ['triton', 'fused'])
+def test_nala_core_gradients_on_cuda(B, d, dtype, rope, core, monkeypatch):
+    """The NaLa Triton backward (and the fused core's): the output and the gradients of q, k, v
+    (in their dtype) against plain autograd of the float64 reference core."""
+    from linattn_mm.ops.nala.fused import nala_attention_fused
     from linattn_mm.ops.nala.triton import nala_attention_triton
+    monkeypatch.setattr(torch.backends.cuda.matmul, 'allow_tf32', False)  # float32 products
     dt = DTYPES[dtype]
     g = seeded('nala grad', B, d, dtype, rope)
     h, N = 2, GRID[0] * GRID[1]
@@ -178,22 +181,27 @@ def test_nala_core_gradients_on_cuda(B, d, dtype, rope):
     leaves = [t.requires_grad_() for t in (q, (0.7 * k).to(dt), v.to(dt))]
     sin, cos = RoPE2d(d).cuda()(GRID) if rope else (None, None)
     grad = torch.randn(B, h, N, d, device='cuda', generator=g)
-    out = nala_attention_triton(*leaves, 3., 1e-6, sin, cos, out_dtype=torch.float32)
+    if core == 'fused':
+        out = nala_attention_fused(*leaves, 3., 1e-6, sin, cos)
+    else:
+        out = nala_attention_triton(*leaves, 3., 1e-6, sin, cos, out_dtype=torch.float32)
     got = torch.autograd.grad(out, leaves, grad)
     ref = [t.detach().double().requires_grad_() for t in leaves]
-    want = torch.autograd.grad(
-        nala_reference_core(*ref, 3., 1e-6, (sin.double(), cos.double()) if rope else None), ref,
-        grad.double())
+    want_out = nala_reference_core(*ref, 3., 1e-6,
+                                   (sin.double(), cos.double()) if rope else None)
+    assert out.dtype == torch.float32 and rel(out, want_out) < OUT_TOL[torch.float32]
+    want = torch.autograd.grad(want_out, ref, grad.double())
     for name, a, b, leaf in zip('qkv', got, want, leaves):
         assert a.dtype == leaf.dtype and a.shape == leaf.shape, name
         err = rel(a, b)
         assert err < OUT_TOL[a.dtype], f'{dtype} d{d}: d{name} relative error {err:.3g}'
 
 
-def test_nalaformer_trains_on_cuda_with_the_triton_core(monkeypatch):
-    """A training step of a NaLaFormer with NaLa in every stage, every mixer on the Triton core,
-    against the float64 reference cores: within the float32 error of the same step on the
-    default torch core (or 1e-5)."""
+@pytest.mark.parametrize('core', ['triton', 'fused'])
+def test_nalaformer_trains_on_cuda(monkeypatch, core):
+    """A training step of a NaLaFormer with NaLa in every stage, every mixer on the Triton core
+    (or the fused core), against the float64 reference cores: within the float32 error of the
+    same step on the default torch core (or 1e-5)."""
     monkeypatch.setattr(torch.backends.cudnn, 'allow_tf32', False)
     monkeypatch.setattr(torch.backends.cuda.matmul, 'allow_tf32', False)
     torch.manual_seed(0)
@@ -203,7 +211,7 @@ def test_nalaformer_trains_on_cuda_with_the_triton_core(monkeypatch):
                      drop_path_rate=0., norm_eval=True).cuda().train()
     x = torch.randn(2, 3, 4 * GRID[0], 4 * GRID[1], device='cuda')
     baseline = train_vs_reference(copy.deepcopy(net), NormAwareLinearAttention, x, core='fast')
-    err = train_vs_reference(net, NormAwareLinearAttention, x)
+    err = train_vs_reference(net, NormAwareLinearAttention, x, core=core)
     assert err < max(1e-5, 1.5 * baseline), (err, baseline)
 
 

@@ -8,8 +8,8 @@ active driver is replaced by one that names that GPU as its target and launches 
 kernel goes through Triton's real compiler and ``ptxas`` for it; :func:`launch_fitted` fits the
 pipeline stages to ``LIMIT`` as on that GPU. Each core runs forward and backward on CPU tensors of
 several head dims, dtypes and options, two of them with the products on the tensor cores
-(``tf32x3``; nothing is computed: the outputs are empty buffers), and so does the fused Pola
-core (cases ``fused ...``: its two elementwise kernels). Prints
+(``tf32x3``; nothing is computed: the outputs are empty buffers), and so do the fused cores
+(cases ``fused ...``: their elementwise kernels). Prints
 a JSON list, one entry per kernel launched: ``[case, kernel, stages, shared bytes, spill stores
 in bytes or None, compile seconds]``, or ``[case, 'error', message]`` for a case that raised. The
 seconds are those of Triton's compiler and ``ptxas`` for that launch, the stage fitting's
@@ -115,6 +115,7 @@ def main():
     dispatch._interpreting = lambda: True  # the cores' device checks accept CPU tensors
     dispatch._stage_limit = lambda device: LIMIT
     from linattn_mm.ops.nala.triton import nala_attention_triton
+    from linattn_mm.ops.nala.fused import nala_attention_fused
     from linattn_mm.ops.pola.fused import polarity_attention_fused
     from linattn_mm.ops.pola.triton import polarity_attention_triton
 
@@ -132,13 +133,16 @@ def main():
     def fused(d, dtype, extras):
         return pola(d, dtype, extras, polarity_attention_fused)
 
-    def nala(d, dtype, rope):
+    def nala(d, dtype, rope, core=nala_attention_triton):
         q, k, v = qkv(d, dtype)
         kw = {}
         if rope:
             angle = torch.randn(77, d // 2).repeat_interleave(2, -1)
             kw = dict(sin=angle.sin(), cos=angle.cos())
-        return nala_attention_triton(q, k, v, **kw)
+        return core(q, k, v, **kw)
+
+    def fused_nala(d, dtype, rope):
+        return nala(d, dtype, rope, nala_attention_fused)
 
     cases = {}
     for d in (12, 32, 64):
@@ -153,10 +157,12 @@ def main():
     # the products on the tensor cores (dispatch.triton_dot_precision)
     cases['pola d64 fp32 pe+temperature tf32x3'] = (pola, 64, torch.float32, True)
     cases['nala d64 fp32 rope tf32x3'] = (nala, 64, torch.float32, True)
-    # the fused Pola core's two elementwise kernels (its products are torch's)
+    # the fused cores' elementwise kernels (their products are torch's)
     for d, dtype in ((12, torch.float32), (32, torch.bfloat16), (64, torch.bfloat16)):
         name = 'fp32' if dtype == torch.float32 else 'bf16'
-        cases[f'fused d{d} {name} pe+temperature'] = (fused, d, dtype, True)
+        cases[f'fused pola d{d} {name} pe+temperature'] = (fused, d, dtype, True)
+        cases[f'fused nala d{d} {name} rope'] = (fused_nala, d, dtype, True)
+    cases['fused nala d32 bf16'] = (fused_nala, 32, torch.bfloat16, False)
     results = []
     for case, (fn, d, dtype, flag) in cases.items():
         del LAUNCHED[:]

@@ -3,9 +3,10 @@
 set before the kernels are defined). Arguments: ``pola``, ``pola-grad`` (the Pola kernels'
 backward: the gradients of the core, of modules and of a backbone), ``pola-fused`` (the same
 gradients with the fused Pola core, :mod:`linattn_mm.ops.pola.fused`), ``nala`` and / or
-``nala-grad`` (the same for NaLa) (default ``pola`` and ``nala``). Prints one JSON object: case name -> relative error against the float64
-reference."""
+``nala-grad`` and ``nala-fused`` (the same for NaLa) (default ``pola`` and ``nala``). Prints one
+JSON object: case name -> relative error against the float64 reference."""
 import copy
+import functools
 import json
 import sys
 
@@ -16,6 +17,7 @@ from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d
 from linattn_mm.models.attentions.pola import PolaLinearAttention
 from linattn_mm.models.backbones import LinAttnSwin
 from linattn_mm.models.backbones.nalaformer import NaLaFormer
+from linattn_mm.ops.nala.fused import nala_attention_fused
 from linattn_mm.ops.nala.triton import nala_attention_triton
 from linattn_mm.ops.pola.reference import polarity_attention_reference as polarity_attention
 from linattn_mm.ops.pola.fused import polarity_attention_fused
@@ -255,10 +257,18 @@ def run_nala(res):
 
 
 
-def run_nala_grads(res):
-    """The NaLa Triton forward and backward against plain autograd of the float64 reference core
-    on the same (rounded) inputs (q, k, v get their gradients in their dtype), then training
-    steps of modules and of a NaLaFormer with NaLa in every stage."""
+def _nala_core(fused):
+    """The NaLa Triton core (float32 output), or the fused core."""
+    if fused:
+        return nala_attention_fused
+    return functools.partial(nala_attention_triton, out_dtype=torch.float32)
+
+
+def run_nala_grads(res, fused=False):
+    """The NaLa Triton forward and backward (``fused``: the fused core's) against plain autograd
+    of the float64 reference core on the same (rounded) inputs (q, k, v get their gradients in
+    their dtype), then training steps of modules and of a NaLaFormer with NaLa in every stage."""
+    core = _nala_core(fused)
     for i, (name, B, h, hw, d, rope, lam, dt) in enumerate(nala_cases()):
         g = torch.Generator().manual_seed(200 + i)
         N = hw[0] * hw[1]
@@ -268,7 +278,8 @@ def run_nala_grads(res):
         leaves = [t.to(dt).requires_grad_() for t in (q, 0.7 * k, v)]
         grad = torch.randn(B, h, N, d, generator=g)
         sin, cos = RoPE2d(d)(hw) if rope else (None, None)
-        out = nala_attention_triton(*leaves, lam, 1e-6, sin, cos, out_dtype=torch.float32)
+        out = core(*leaves, lam, 1e-6, sin, cos)
+        assert out.dtype == torch.float32
         got = torch.autograd.grad(out, leaves, grad)
         ref = [t.detach().double().requires_grad_() for t in leaves]
         table = None if sin is None else (sin.double(), cos.double())
@@ -289,8 +300,7 @@ def run_nala_grads(res):
     runs = []
     for keep in (False, True):
         v = v_low.float()
-        out = nala_attention_triton(q, k, v, 3., 1e-6, sin, cos, out_dtype=torch.float32,
-                                    v_keep=v_low if keep else None)
+        out = core(q, k, v, 3., 1e-6, sin, cos, v_keep=v_low if keep else None)
         kept = out.grad_fn.saved_tensors if keep else ()
         runs.append([out, *torch.autograd.grad(out, (q, k, v), grad)])
     assert any(t.dtype == torch.bfloat16 and t.data_ptr() == v_low.data_ptr() for t in kept), \
@@ -304,7 +314,8 @@ def run_nala_grads(res):
         torch.manual_seed(i)
         m = NormAwareLinearAttention(32, 2, **kw).train()
         res[name] = train_vs_reference(m, NormAwareLinearAttention,
-                                       torch.randn(2, hw[0] * hw[1], 32), hw)
+                                       torch.randn(2, hw[0] * hw[1], 32), hw,
+                                       core='fused' if fused else 'triton')
     torch.manual_seed(0)
     net = NaLaFormer(arch=dict(embed_dims=[16, 32, 32, 32], depths=[1, 1, 1, 1],
                                num_heads=[1, 2, 2, 2], mlp_ratios=[2, 2, 2, 2]),
@@ -317,7 +328,7 @@ def run_nala_grads(res):
     res['train NaLaFormer backbone, with_cp, torch core (baseline)'] = train_vs_reference(
         copy.deepcopy(net), NormAwareLinearAttention, x, core='fast')
     res['train NaLaFormer backbone, with_cp'] = train_vs_reference(
-        net, NormAwareLinearAttention, x)
+        net, NormAwareLinearAttention, x, core='fused' if fused else 'triton')
 
 
 if __name__ == '__main__':
@@ -336,4 +347,6 @@ if __name__ == '__main__':
         run_nala(results)
     if 'nala-grad' in which:
         run_nala_grads(results)
+    if 'nala-fused' in which:
+        run_nala_grads(results, fused=True)
     json.dump(results, sys.stdout)

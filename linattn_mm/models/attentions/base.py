@@ -101,8 +101,9 @@ def merge_heads(t):
 
 #: options of earlier versions -> what replaces them (named in the error of a config using them)
 RENAMED_OPTIONS = {
-    'fused': "core ('fast', 'reference', 'fused' or 'triton'); the inference forms of whole "
-             'layers that fused=True chose come from linattn_mm.deploy.convert(model)',
+    'fused': "core ('fast', 'reference', 'fused' or 'triton'), which chooses the kernels; the "
+             'inference forms of whole layers that fused=True chose come from '
+             "linattn_mm.deploy.convert(model), not from core='fused' (a training core for CUDA)",
 }
 
 

@@ -258,8 +258,10 @@ class NormAwareLinearAttention(NaLaMixerBase):
         core (str): the attention core, :func:`linattn_mm.ops.nala.nala_attention`: ``'fast'``
             (default: the training Function, whose backward recomputes the feature maps; equal to
             the reference up to float rounding, gradients included), ``'reference'`` (plain
-            autograd of the official order of operations; the test oracle) or ``'triton'``
-            (the Triton kernels of the official kernel with their Triton backward, CUDA only:
+            autograd of the official order of operations; the test oracle), ``'fused'`` (the fast
+            core's products with its elementwise passes as Triton kernels, official kernel, a
+            training core for CUDA: :mod:`linattn_mm.ops.nala.fused`) or ``'triton'`` (the
+            Triton kernels of the official kernel with their Triton backward, CUDA only:
             ``attn_cfg=dict(..., core='triton')`` trains with them; set by
             :func:`linattn_mm.deploy.convert` for CUDA inference).
         init_cfg (dict, optional): mmengine init config.
@@ -283,11 +285,12 @@ class NormAwareLinearAttention(NaLaMixerBase):
                 raise ValueError(f'{name}: query_power must be None (the norm-aware power) or a '
                                  f'positive number, got {query_power!r}')
             query_power = float(query_power)
-        self.core = check_core(name, core, ('reference', 'fast', 'triton'))
-        if kernel != 'official' and core == 'triton':
-            raise ValueError(f"{name}: kernel={kernel!r} has no Triton core")
-        if query_power is not None and core == 'triton':
-            raise ValueError(f'{name}: a constant query_power has no Triton core')
+        self.core = check_core(name, core)
+        kind = {'triton': 'Triton', 'fused': 'fused'}.get(core)
+        if kernel != 'official' and kind:
+            raise ValueError(f"{name}: kernel={kernel!r} has no {kind} core")
+        if query_power is not None and kind:
+            raise ValueError(f'{name}: a constant query_power has no {kind} core')
         self.kernel = kernel
         self.power = float(power)
         self.query_power = query_power

@@ -11,6 +11,9 @@ numerator features, or None.
   power, the RoPE folded into the small matrices; with :mod:`.autograd`, the training Function
   that keeps q, k, v and small matrices for its analytic backward (``core='fast'``, the default;
   the paper's kernel: its reference recomputed in the backward);
+* :mod:`.fused` — the torch kernel's products with its elementwise passes (features, RoPE,
+  their gradients) as three Triton kernels, a training core for CUDA (``core='fused'``, official
+  kernel);
 * :mod:`.triton` — the Triton kernels of the official kernel, forward and backward on CUDA
   (``core='triton'``; set by :func:`linattn_mm.deploy.convert` for CUDA inference, chosen in
   ``attn_cfg`` for training);
@@ -33,28 +36,35 @@ __all__ = ['nala_attention', 'nala_attention_reference', 'nala_attention_fast', 
 
 def nala_attention(q, k, v, power=3., eps=1e-6, sin=None, cos=None, kernel='official',
                    core='fast', query_power=None, out_dtype=None, v_keep=None):
-    """The NaLa core named ``core`` (``'reference'``, ``'fast'`` or ``'triton'``) for the feature
-    map ``kernel`` (``'official'`` or ``'paper'``; the paper's kernel has no Triton core). Torch
-    cores run with autocast off in float32 (float64 stays float64), as the official code; the
-    Triton core reads the inputs as they are and computes in float32. The fast core takes q, k, v
+    """The NaLa core named ``core`` (``'reference'``, ``'fast'``, ``'fused'`` or ``'triton'``) for
+    the feature map ``kernel`` (``'official'`` or ``'paper'``; the paper's kernel has no Triton
+    or fused core). Torch cores run with autocast off in float32 (float64 stays float64), as the
+    official code; the Triton core reads the inputs as they are and computes in float32, and so
+    does the fused core (its products in torch, with autocast off). The fast core takes q, k, v
     in their own dtype and casts them itself (under autocast it keeps the half-precision
     projections for backward, not float32 copies; ``v_keep``: a lower-precision twin of ``v`` to
     keep instead, see :class:`~linattn_mm.ops.nala.autograd.NormAwareAttention`; the Triton core
     reads it instead of ``v`` too). The result has
     the dtype ``out_dtype``, by default that of ``v``. ``query_power``: a constant query exponent
     instead of the norm-aware ``power * (0.5 + tanh ||q||)`` (the paper's Table 5 ablation; no
-    Triton core)."""
+    Triton or fused core)."""
     check_core('nala_attention', core)
-    if kernel != 'official' and core == 'triton':
-        raise ValueError(f"nala_attention: kernel={kernel!r} has no Triton core")
-    if query_power is not None and core == 'triton':
-        raise ValueError("nala_attention: a constant query_power has no Triton core")
+    name = {'triton': 'Triton', 'fused': 'fused'}.get(core)
+    if kernel != 'official' and name:
+        raise ValueError(f"nala_attention: kernel={kernel!r} has no {name} core")
+    if query_power is not None and name:
+        raise ValueError(f"nala_attention: a constant query_power has no {name} core")
     if core == 'triton':
         from .triton import nala_attention_triton
         return nala_attention_triton(q, k, v, power, eps, sin, cos,
                                      out_dtype=out_dtype or v.dtype, v_keep=v_keep)
     work = core_dtype(q, k, v)
     sin, cos = (None, None) if sin is None else (sin.to(work), cos.to(work))
+    if core == 'fused':
+        from .fused import nala_attention_fused
+        with no_autocast(q.device):
+            out = nala_attention_fused(q, k, v, power, eps, sin, cos, v_keep)
+        return out.to(out_dtype or v.dtype)
     with no_autocast(q.device):
         if core == 'fast':  # casts inside: keeps half-precision inputs, not float32 copies
             out = nala_attention_fast(q, k, v, power, eps, sin, cos, kernel, query_power, v_keep)

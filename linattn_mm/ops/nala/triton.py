@@ -174,6 +174,31 @@ if triton is not None:
         return qn, tanh, p, lu, tl.exp2(p[:, None] * lu)
 
     @triton.jit
+    def _query_input_grad(y, qn, tanh, p, lu, a, dpos, dneg, lam):
+        """The gradient of a query tile ``y`` from those of its features ``relu(c)``,
+        ``relu(-c)`` (``dpos``, ``dneg``), with :func:`_query_terms`'s terms: through
+        ``|q / ||q|| |^p`` and the norm in ``p``, 0 at a zero element."""
+        # G = da a; with u = q / ||q||, du u = G p per channel, and
+        # dq = (du - u (du . u)) / ||q|| + dp lam (1 - tanh^2) u,  dp = ln 2 sum G log2|u|
+        nz = y != 0
+        ga = tl.where(y > 0, dpos, tl.where(y < 0, dneg, 0.0)) * a
+        dp = tl.sum(tl.where(nz, ga * lu, 0.0), axis=1) * 0.6931471805599453
+        dqn = dp * lam * (1.0 - tanh * tanh)
+        u = y / qn[:, None]
+        return tl.where(nz, ga * p[:, None] / y, 0.0) + \
+            u * ((dqn - p * tl.sum(ga, axis=1) / qn)[:, None])
+
+    @triton.jit
+    def _key_input_grad(y, kc, dkp, dkn, lam, CUBE: tl.constexpr):
+        """The gradient of a key tile ``y`` (``kc = y^lam``) from those of its features
+        ``relu(kc)``, ``relu(-kc)`` (``dkp``, ``dkn``)."""
+        dc = tl.where(kc > 0, dkp, tl.where(kc < 0, -dkn, 0.0))
+        if CUBE:
+            return dc * 3.0 * y * y
+        # d(sign(y) |y|^lam) = lam |y|^(lam - 1)
+        return tl.where(y != 0, dc * lam * tl.exp2((lam - 1.0) * tl.log2(tl.abs(y))), 0.0)
+
+    @triton.jit
     def _nala_query_grad_kernel(Q, G, W, KM, SIN, COS, DQ, DW, DKM, N, h, chunk, lam, eps,
                                 s_qb, s_qh, s_qn, s_qd, s_gb, s_gh, s_gn, s_gd,
                                 s_db, s_dh, s_dn, s_dd, s_rn, s_rd,
@@ -234,15 +259,7 @@ if triton is not None:
                 dw1 += tl.dot(tl.trans(neg), dnum, input_precision=PREC)
                 dpos += tl.dot(dnum, tl.trans(w0), input_precision=PREC)
                 dneg += tl.dot(dnum, tl.trans(w1), input_precision=PREC)
-            # through |q / ||q|| |^p: G = da a; with u = q / ||q||, du u = G p per channel, and
-            # dq = (du - u (du . u)) / ||q|| + dp lam (1 - tanh^2) u,  dp = ln 2 sum G log2|u|
-            nz = y != 0
-            ga = tl.where(y > 0, dpos, tl.where(y < 0, dneg, 0.0)) * a
-            dp = tl.sum(tl.where(nz, ga * lu, 0.0), axis=1) * 0.6931471805599453
-            dqn = dp * lam * (1.0 - tanh * tanh)
-            u = y / qn[:, None]
-            dq = tl.where(nz, ga * p[:, None] / y, 0.0) + \
-                u * ((dqn - p * tl.sum(ga, axis=1) / qn)[:, None])
+            dq = _query_input_grad(y, qn, tanh, p, lu, a, dpos, dneg, lam)
             tl.store(DQ + b * s_db + head * s_dh + rm[:, None] * s_dn + rd[None, :] * s_dd,
                      dq.to(DQ.dtype.element_ty), mask=m)
         part = bh * tl.num_programs(1) + split
@@ -299,14 +316,8 @@ if triton is not None:
                 tl.store(DV + b * s_dvb + head * s_dvh + rn[:, None] * s_dvn + rd[None, :] * s_dvd,
                          dv.to(DV.dtype.element_ty), mask=m)
             if WANT_DK:
-                dkp += dks_pos[None, :]
-                dkn += dks_neg[None, :]
-                dc = tl.where(kc > 0, dkp, tl.where(kc < 0, -dkn, 0.0))
-                if CUBE:
-                    dk = dc * 3.0 * y * y
-                else:  # d(sign(y) |y|^lam) = lam |y|^(lam - 1)
-                    dk = tl.where(y != 0, dc * lam * tl.exp2((lam - 1.0) * tl.log2(tl.abs(y))),
-                                  0.0)
+                dk = _key_input_grad(y, kc, dkp + dks_pos[None, :], dkn + dks_neg[None, :], lam,
+                                     CUBE)
                 tl.store(DK + b * s_dkb + head * s_dkh + rn[:, None] * s_dkn + rd[None, :] * s_dkd,
                          dk.to(DK.dtype.element_ty), mask=m)
 

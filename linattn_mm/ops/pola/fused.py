@@ -31,14 +31,14 @@ on CPU through Triton's interpreter (``TRITON_INTERPRET=1``), which is how the t
 without a GPU. On ``meta`` tensors the two launches make their outputs only, so the operation and
 traffic counters see one operation each.
 """
-import math
 from typing import Optional, Tuple
 
 import torch
 
-from ..common import token_gram
-from ..dispatch import launch_fitted, padded_head_dims, triton_module
-from .autograd import _key_side_grads, _output_grad
+from ..common import no_autocast, token_gram
+from ..dispatch import (FUSED_WARPS, fused_block, fused_chunks, launch_fitted, padded_head_dims,
+                        triton_module)
+from .autograd import _LN2, _key_side_grads, _output_grad
 from .fast import _normalise_into, heads_buffer, joined_query_weights
 from .triton import _expand_bias, _per_head, check_qkv
 
@@ -48,18 +48,7 @@ if triton is not None:
 
     from .triton import _features, _load_tile, _power_grads, _power_terms, _program
 
-__all__ = ['polarity_attention_fused', 'PolarityAttentionFused', 'FUSED_BLOCK_ELEMENTS']
-
-_LN2 = math.log(2.)
-
-#: elements of one tile (tokens × padded head dim) of the two kernels, with 4 warps: 16 float32
-#: values per thread and map
-FUSED_BLOCK_ELEMENTS = 2048
-_WARPS = 4
-#: programs of the gradients' kernel per multiprocessor (each sums its chunk's exponent and
-#: temperature terms): memory-bound kernels want many warps in flight on every multiprocessor
-_PROGRAMS_PER_SM = 16
-
+__all__ = ['polarity_attention_fused', 'PolarityAttentionFused']
 
 if triton is not None:
 
@@ -120,22 +109,6 @@ if triton is not None:
         tl.store(DPOW + part, acc_pow)
 
 
-def _block(d):
-    """Tokens of a tile at head dim ``d``: :data:`FUSED_BLOCK_ELEMENTS` over the padded dim."""
-    return max(16, FUSED_BLOCK_ELEMENTS // padded_head_dims(d))
-
-
-def _chunks(L, bh, block, device):
-    """(programs per (batch, head), tokens per program) of the gradients' kernel over ``L``
-    tokens: about :data:`_PROGRAMS_PER_SM` programs per multiprocessor in all (4 on CPU)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if \
-        device.type == 'cuda' else 4
-    blocks = triton.cdiv(L, block)
-    per_bh = max(1, min(blocks, triton.cdiv(_PROGRAMS_PER_SM * sms, bh)))
-    chunk = triton.cdiv(blocks, per_bh) * block
-    return triton.cdiv(L, chunk), chunk
-
-
 # ------------------------------------------------------------------------------------------------
 # The two launches as operators (``torch.ops.linattn_mm.pola_fused_*``), with fake forms: on
 # ``meta`` tensors they have shapes, and the counters of linattn_mm.utils count what each kernel
@@ -157,11 +130,11 @@ def _features_op(x: torch.Tensor, pe: Optional[torch.Tensor], p: torch.Tensor,
     ``inv_s`` ((h, d) float32, or None)."""
     B, h, L, d = x.shape
     f = _features_output(x)
-    block = _block(d)
+    block = fused_block(d)
     pe_t = x if pe is None else pe
     launch_fitted(_pola_features_kernel, (B * h, triton.cdiv(L, block)),
         x, pe_t, p, p if inv_s is None else inv_s, f, L, h, *x.stride(), *pe_t.stride(),
-        num_warps=_WARPS, D=d, DP=padded_head_dims(d), BLOCK=block, HAS_PE=pe is not None,
+        num_warps=FUSED_WARPS, D=d, DP=padded_head_dims(d), BLOCK=block, HAS_PE=pe is not None,
         HAS_SCALE=inv_s is not None)
     return f
 
@@ -174,7 +147,7 @@ def _(x, pe, p, inv_s):
 def _grads_outputs(x, dx_dtype):
     B, h, L, d = x.shape
     DP = padded_head_dims(d)
-    splits, chunk = _chunks(L, B * h, _block(d), x.device)
+    splits, chunk = fused_chunks(L, B * h, fused_block(d), x.device)
     part = torch.empty(B * h, splits, DP, dtype=torch.float32, device=x.device)
     return (x.new_empty(B, L, h, d, dtype=dx_dtype), part, torch.empty_like(part)), chunk
 
@@ -193,8 +166,8 @@ def _feature_grads_op(x: torch.Tensor, pe: Optional[torch.Tensor], p: torch.Tens
     pe_t = x if pe is None else pe
     launch_fitted(_pola_feature_grads_kernel, (B * h, d_inv.shape[1]),
         x, pe_t, p, p if inv_s is None else inv_s, df, dx_t, d_inv, d_pow, L, h, chunk,
-        *x.stride(), *pe_t.stride(), *dx_t.stride(), num_warps=_WARPS, D=d,
-        DP=padded_head_dims(d), BLOCK=_block(d), HAS_PE=pe is not None,
+        *x.stride(), *pe_t.stride(), *dx_t.stride(), num_warps=FUSED_WARPS, D=d,
+        DP=padded_head_dims(d), BLOCK=fused_block(d), HAS_PE=pe is not None,
         HAS_SCALE=inv_s is not None)
     return dx, d_inv, d_pow
 
@@ -222,11 +195,17 @@ class PolarityAttentionFused(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, p, eps, inv_scale, k_bias):
-        B, h, N, n, d = check_qkv('polarity_attention_fused', q, k, v, meta=True)
-        pf = _per_head(p, h, d, 'p').to(q.device)
+        with no_autocast(q.device):  # float32 products, whatever the caller's autocast
+            return PolarityAttentionFused._forward(ctx, q, k, v, p, eps, inv_scale, k_bias)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, p, eps, inv_scale, k_bias):
+        fn = 'polarity_attention_fused'
+        B, h, N, n, d = check_qkv(fn, q, k, v, meta=True)
+        pf = _per_head(p, h, d, 'p', fn).to(q.device)
         inv_s = None if inv_scale is None else \
-            _per_head(inv_scale, h, d, 'temperature').to(q.device)
-        pe = _expand_bias(k_bias, (B, h, n, d))
+            _per_head(inv_scale, h, d, 'temperature', fn).to(q.device)
+        pe = _expand_bias(k_bias, (B, h, n, d), fn)
         fk = _feature_map(k, pe, pf, inv_s)
         kv = token_gram(fk, v.to(torch.float32))
         ks = fk.sum(dim=-2).unsqueeze(-1)
@@ -243,6 +222,11 @@ class PolarityAttentionFused(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
+        with no_autocast(grad.device):  # float32 products, whatever the caller's autocast
+            return PolarityAttentionFused._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx, grad):
         q, k, v, k_bias, pf, inv_s, w = ctx.saved_tensors
         need = ctx.needs_input_grad
         B, h, N, d = q.shape
@@ -254,31 +238,36 @@ class PolarityAttentionFused(torch.autograd.Function):
         dr = _output_grad(fq @ w, grad.to(torch.float32), ctx.eps)
         dw = token_gram(fq, dr)
         del fq
-        dq, d_inv_q, d_pow_q = _feature_map_grads(q, None, pf, inv_s, dr @ w.transpose(-2, -1),
-                                              q.dtype)
+        params = need[3] or inv_s is not None and need[5]  # the exponents', the temperature's
+        dq = d_inv_q = d_pow_q = None
+        if need[0] or params:
+            dq, d_inv_q, d_pow_q = _feature_map_grads(q, None, pf, inv_s,
+                                                      dr @ w.transpose(-2, -1), q.dtype)
         del dr
         # keys: k+^T v, k-^T v and the key sums' gradients from dW
         dkv, dks = _key_side_grads(dw, d, n)
         del dw
-        fk = _feature_map(k, pe, pf, inv_s)
-        dv = (fk @ dkv).to(v.dtype) if need[2] else None
-        del fk
-        dfk = (v.to(torch.float32) @ dkv.transpose(-2, -1)).add_(dks)
+        dv = None
+        if need[2]:
+            dv = (_feature_map(k, pe, pf, inv_s) @ dkv).to(v.dtype)
         bias_grad = k_bias is not None and need[6]
-        dk, d_inv_k, d_pow_k = _feature_map_grads(k, pe, pf, inv_s, dfk,
-                                              torch.float32 if bias_grad else k.dtype)
-        del dfk
+        if need[1] or bias_grad or params:  # the key side's feature gradients
+            dfk = (v.to(torch.float32) @ dkv.transpose(-2, -1)).add_(dks)
+            dk, d_inv_k, d_pow_k = _feature_map_grads(k, pe, pf, inv_s, dfk,
+                                                      torch.float32 if bias_grad else k.dtype)
+            del dfk
+        else:
+            dk = d_inv_k = d_pow_k = None
 
         def per_param(q_part, k_part, meta, scale=1.0):
             total = q_part.sum(1).add_(k_part.sum(1)).view(B, h, -1)[..., :d].sum(0)
             shape, dtype = meta
             return total.mul_(scale).view(1, h, 1, d).sum_to_size(shape).to(dtype)
 
-        d_p = per_param(d_pow_q, d_pow_k, ctx.p_meta, _LN2) \
-            if need[3] else None
+        d_p = per_param(d_pow_q, d_pow_k, ctx.p_meta, _LN2) if need[3] else None
         d_inv = per_param(d_inv_q, d_inv_k, ctx.inv_meta) if inv_s is not None and need[5] \
             else None
-        dk = dk.transpose(1, 2)
+        dk = None if dk is None else dk.transpose(1, 2)
         d_bias = dk.sum_to_size(k_bias.shape).to(k_bias.dtype) if bias_grad else None
         return (dq.transpose(1, 2) if need[0] else None, dk.to(k.dtype) if need[1] else None,
                 dv, d_p, None, d_inv, d_bias)

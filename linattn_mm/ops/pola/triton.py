@@ -59,7 +59,7 @@ from torch.utils.flop_counter import register_flop_formula
 from linattn_mm.utils.op_counter import register_compute_dtype
 
 from ..dispatch import (TRITON_DTYPES, core_blocks, core_launch, dot_precision, launch_fitted,
-                        padded_head_dims, triton_available, triton_module)
+                        multiprocessors, padded_head_dims, triton_available, triton_module)
 
 triton = triton_module()  # Triton ships with the CUDA builds of torch; the torch cores never need it
 if triton is not None:
@@ -295,13 +295,14 @@ if triton is not None:
         tl.store(DPOW + part * DP + rd, d_pow)
 
 
-def _per_head(t, h, d, name):
-    """``t`` broadcastable to (1, h, 1, d) -> contiguous float32 (h, d)."""
+def _per_head(t, h, d, name, fn='polarity_attention_triton'):
+    """``t`` broadcastable to (1, h, 1, d) -> contiguous float32 (h, d) (errors named by the
+    core function ``fn``)."""
     try:
         return t.to(torch.float32).expand(1, h, 1, d).reshape(h, d).contiguous()
     except RuntimeError as e:
-        raise ValueError(f'polarity_attention_triton: {name} of shape {tuple(t.shape)} does not '
-                         f'broadcast to (1, {h}, 1, {d})') from e
+        raise ValueError(f'{fn}: {name} of shape {tuple(t.shape)} does not broadcast to (1, {h}, '
+                         f'1, {d})') from e
 
 
 def check_qkv(fn, q, k, v, meta=False):
@@ -330,10 +331,8 @@ def check_qkv(fn, q, k, v, meta=False):
 
 def _num_splits(n, bh, block_n, device):
     """Key chunks per (batch, head): enough programs to fill the GPU twice over."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if \
-        device.type == 'cuda' else 4
     blocks = triton.cdiv(n, block_n)
-    return max(1, min(blocks, triton.cdiv(2 * sms, bh)))
+    return max(1, min(blocks, triton.cdiv(2 * multiprocessors(device), bh)))
 
 
 def _split(length, bh, block, device):
@@ -582,15 +581,15 @@ class PolarityAttentionTriton(torch.autograd.Function):
                 None)
 
 
-def _expand_bias(k_bias, shape):
-    """``k_bias`` expanded to (B, h, n, d), or None."""
+def _expand_bias(k_bias, shape, fn='polarity_attention_triton'):
+    """``k_bias`` expanded to (B, h, n, d), or None (errors named by the core function ``fn``)."""
     if k_bias is None:
         return None
     try:
         return k_bias.expand(shape)
     except RuntimeError as e:
-        raise ValueError(f'polarity_attention_triton: k_bias of shape {tuple(k_bias.shape)} '
-                         f'does not broadcast to {shape}') from e
+        raise ValueError(f'{fn}: k_bias of shape {tuple(k_bias.shape)} does not broadcast to '
+                         f'{shape}') from e
 
 
 def polarity_attention_triton(q, k, v, p, eps=1e-6, temperature=None, k_bias=None,
