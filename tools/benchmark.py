@@ -295,7 +295,7 @@ def set_impl(model, impl, ffn='auto', device=None, train=False):
         if isinstance(m, PolaLinearAttention):
             m.core = CORE[impl]
         elif isinstance(m, NormAwareLinearAttention) and m.kernel == 'official':
-            # the paper's map with a constant query power has no fused core
+            # the official map with a constant query power has no fused core
             m.core = 'fast' if impl == 'fused' and m.query_power is not None else CORE[impl]
     if impl == 'official':
         for m in pola_modules(model):

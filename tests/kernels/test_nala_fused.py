@@ -108,5 +108,8 @@ def test_bad_inputs_and_devices_are_named(monkeypatch):
         nf.nala_attention_fused(q, q, q, sin=sin)
     with pytest.raises(ValueError, match='keys on the query grid'):
         nf.nala_attention_fused(q, q[:, :, :9], q[:, :, :9], sin=sin, cos=cos)
+    with pytest.raises(ValueError, match='head dim 7 is odd'):
+        nf.nala_attention_fused(q[..., :7], q[..., :7], q[..., :7], sin=sin[:, :7],
+                                cos=cos[:, :7])
     with pytest.raises(ValueError, match="kernel='paper' has no fused core"):
         nala_attention(q, q, q, kernel='paper', core='fused')

@@ -329,18 +329,22 @@ class NormAwareAttentionFused(torch.autograd.Function):
         del num, den
         dw = token_gram(fq, dnum)
         del fq
-        dq, dkm = torch.ops.linattn_mm.nala_fused_query_grads(
-            q, km, sin, cos, (dnum @ w.transpose(-2, -1)).contiguous(), dden, lam)
+        dq = dks = None
+        if need[0] or need[1]:  # dq, and the key means' gradient that dk takes
+            dq, dkm = torch.ops.linattn_mm.nala_fused_query_grads(
+                q, km, sin, cos, (dnum @ w.transpose(-2, -1)).contiguous(), dden, lam)
+            dks = dkm.sum(1).mul_(1.0 / n)  # of the key feature sums
         del dnum, dden
-        dks = dkm.sum(1).mul_(1.0 / n)  # of the key feature sums
         # keys: W = F_k^T v / n (RoPE: folded, the same map back), dv, dF_k
         da = dw.mul_(1.0 / n) if sin is None else rope_fold(dw, n)
-        fk, _ = torch.ops.linattn_mm.nala_fused_features(k, None, sin, cos, lam, eps)
-        dv = (fk @ da).to(v_dtype) if need[2] else None
-        del fk
-        dfk = (v.to(torch.float32) @ da.transpose(-2, -1)).contiguous()
-        dk = torch.ops.linattn_mm.nala_fused_key_grads(k, sin, cos, dfk, dks, lam) \
-            if need[1] else None
+        dv = dk = None
+        if need[2]:
+            fk, _ = torch.ops.linattn_mm.nala_fused_features(k, None, sin, cos, lam, eps)
+            dv = (fk @ da).to(v_dtype)
+            del fk
+        if need[1]:
+            dfk = (v.to(torch.float32) @ da.transpose(-2, -1)).contiguous()
+            dk = torch.ops.linattn_mm.nala_fused_key_grads(k, sin, cos, dfk, dks, lam)
         return (dq.transpose(1, 2) if need[0] else None,
                 dk.transpose(1, 2) if need[1] else None, dv, None, None, None, None, None)
 
@@ -362,6 +366,8 @@ def nala_attention_fused(q, k, v, power=3., eps=1e-6, sin=None, cos=None, v_keep
             raise ValueError(f'{fn}: the RoPE needs keys on the query grid and sin/cos of shape '
                              f'(N, d) = ({N}, {d}); got n={n}, sin {tuple(sin.shape)}, cos '
                              f'{tuple(cos.shape)}')
+        if d % 2:
+            raise ValueError(f'{fn}: the RoPE rotates channel pairs; head dim {d} is odd')
         sin, cos = sin.to(q.device), cos.to(q.device)
         if cos.stride() != sin.stride():
             sin, cos = sin.contiguous(), cos.contiguous()
