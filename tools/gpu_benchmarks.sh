@@ -9,6 +9,9 @@
 # Parts (in this order; each writes OUT_DIR/PART.log, the benchmarks also OUT_DIR/PART.json):
 #   tests         the CUDA tests: the Triton cores compiled and checked against the float64
 #                 reference, the CUDA training forms, autocast, the inference conversion
+#   train_fused   the question of 0.6.13 in a few minutes: training steps at 800×1344, bf16
+#                 autocast, batch 8, of Pola-Swin-T, NaLaFormer-T and Pola-PVT-T on the torch and
+#                 the fused cores against the stock Swin-T and PVT-T (fewer rounds than train_b8)
 #   pola_core     the Pola core alone, forward and backward, bf16, 128² and 256² tokens, batch 8:
 #                 Triton (its products in float32 and on the tensor cores, tf32x3; and its
 #                 gradient passes launched as up to 0.6.11, w4b64) and the fused core (torch's
@@ -47,8 +50,8 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python}"
 LIMIT="${PART_LIMIT:-900}"
-ALL=(tests pola_core nala_core pola_core64 nala_core64 train_b8 train_b1 train_profile
-     infer_b8 infer_b1 maskrcnn)
+ALL=(tests train_fused pola_core nala_core pola_core64 nala_core64 train_b8 train_b1
+     train_profile infer_b8 infer_b1 maskrcnn)
 STOCK_SWIN_MRCNN='mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'
 BACKBONES=(swin-t pola-swin-t nalaformer-t pvt-t pola-pvt-t)
 # --log-progress: a part stopped by its time limit shows in its log how far it came
@@ -73,6 +76,10 @@ part_command() {
                 --backward "${GPU[@]}" --dtype bf16 --grid 128x128 256x256 --batch 8 \
                 --heads 1 --head-dims 64 --impls triton fused torch reference --compare torch \
                 --profile 5 --json "$out/$part.json" ;;
+        train_fused)
+            printf '%s\n' "$PY" tools/benchmark.py --mode train "${BACKBONES[@]}" --device cuda \
+                --log-progress --warmup 2 --repeats 5 --dtype bf16 --sizes 800x1344 --batch 8 \
+                --impls fast fused --compare swin-t pola-pvt-t:pvt-t --json "$out/$part.json" ;;
         train_b8|train_b1)
             printf '%s\n' "$PY" tools/benchmark.py --mode train "${BACKBONES[@]}" "${GPU[@]}" \
                 --dtype bf16 --sizes 800x1344 --batch "${part#train_b}" --impls fast fused triton \

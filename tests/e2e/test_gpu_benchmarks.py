@@ -16,8 +16,8 @@ import pytest
 import torch
 
 SCRIPT = 'tools/gpu_benchmarks.sh'
-PARTS = ['tests', 'pola_core', 'nala_core', 'pola_core64', 'nala_core64', 'train_b8', 'train_b1',
-         'train_profile', 'infer_b8', 'infer_b1', 'maskrcnn']
+PARTS = ['tests', 'train_fused', 'pola_core', 'nala_core', 'pola_core64', 'nala_core64',
+         'train_b8', 'train_b1', 'train_profile', 'infer_b8', 'infer_b1', 'maskrcnn']
 STOCK_MRCNN = 'mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'
 
 
@@ -84,7 +84,7 @@ def test_parts_and_their_commands():
 def test_bad_part_or_arguments_stop_before_anything_runs(tmp_path):
     res = script(str(tmp_path / 'out'), 'train_b8', 'nope')
     assert res.returncode == 2 and "unknown part 'nope'" in res.stderr
-    assert 'parts: tests pola_core' in res.stderr
+    assert 'parts: tests train_fused pola_core' in res.stderr
     assert not (tmp_path / 'out').exists()
     res = script()
     assert res.returncode == 2 and res.stderr.startswith('usage: bash tools/gpu_benchmarks.sh')
@@ -112,6 +112,21 @@ def test_training_steps_counted_as_on_a_gpu(part, tmp_path):
         for impl in ('fast', 'fused', 'triton'):
             assert re.search(rf'^{name}\s+{impl}\s+64x96: operations [\d.]+x \(\d+ / \d+\); '
                              rf'bytes [\d.]+x; memory [\d.]+x', out, re.M), \
+                (name, impl, out[-3000:])
+
+
+def test_training_steps_of_the_fused_cores(tmp_path):
+    """``train_fused``: the torch and fused cores of the three linear backbones against the
+    stock ones at batch 8 under bf16, counted on ``meta`` here."""
+    argv = printed()['train_fused']
+    assert argv[argv.index('--batch') + 1] == '8' and argv[argv.index('--dtype') + 1] == 'bf16'
+    assert argv[argv.index('--impls') + 1:argv.index('--compare')] == ['fast', 'fused']
+    out = run(override(argv, device='meta', sizes='64x96', warmup='0', repeats='1'), tmp_path)
+    for base, name in (('swin-t', 'pola-swin-t'), ('swin-t', 'nalaformer-t'),
+                       ('pvt-t', 'pola-pvt-t')):
+        assert f'(live tensors of the GPU path): this / {base}' in out
+        for impl in ('fast', 'fused'):
+            assert re.search(rf'^{name}\s+{impl}\s+64x96: operations [\d.]+x', out, re.M), \
                 (name, impl, out[-3000:])
 
 
