@@ -125,6 +125,7 @@ def set_attention_core(model, core):
     from linattn_mm.models.attentions.nala import NormAwareLinearAttention
     from linattn_mm.models.attentions.pola import PolaLinearAttention
     from linattn_mm.ops.dispatch import check_core, triton_available
+    from linattn_mm.ops.nala import OFFICIAL_ONLY_CORES, core_refusal
     check_core('--attn-core', core)
     mixers = [(name, m) for name, m in model.named_modules()
               if isinstance(m, (PolaLinearAttention, NormAwareLinearAttention))]
@@ -134,12 +135,12 @@ def set_attention_core(model, core):
     if core in ('triton', 'fused') and not triton_available(device):
         raise ValueError(f'--attn-core {core}: the model is on {device}; the Triton kernels run '
                          f'on CUDA (with Triton installed)')
-    kind = {'triton': 'Triton', 'fused': 'fused'}.get(core)
     for name, m in mixers:
-        if kind and isinstance(m, NormAwareLinearAttention) and (
-                m.kernel != 'official' or m.query_power is not None):
+        if isinstance(m, NormAwareLinearAttention) and core_refusal(core, m.kernel,
+                                                                   m.query_power):
             raise ValueError(f"--attn-core {core}: {name} (kernel={m.kernel!r}, query_power="
-                             f"{m.query_power}) has no {kind} core (the official kernel only)")
+                             f"{m.query_power}) has no {OFFICIAL_ONLY_CORES[core]} core (the "
+                             f"official kernel only)")
     for _, m in mixers:
         m.core = core
     return len(mixers)

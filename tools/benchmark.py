@@ -140,6 +140,7 @@ from linattn_mm.models.utils.layers import TransformerBlock
 from linattn_mm.models.backbones.nalaformer import NaLaBlock
 from linattn_mm.ops.common import autocast_on, no_autocast
 from linattn_mm.ops.dispatch import padded_head_dims, triton_available
+from linattn_mm.ops.nala import core_refusal
 from linattn_mm.utils import (OperationsByModule, PeakMemoryCounter, TrafficCounter, meta_autocast,
                               use_heap_allocator)
 from linattn_mm.utils.autocast_meta import autocast_args
@@ -281,8 +282,8 @@ def set_impl(model, impl, ffn='auto', device=None, train=False):
                 if isinstance(m, PolaLinearAttention):
                     m.core = 'triton'
                 elif isinstance(m, NormAwareLinearAttention):  # the paper's map has no Triton core
-                    official = m.kernel == 'official' and m.query_power is None
-                    m.core = 'triton' if official else 'fast'
+                    m.core = 'fast' if core_refusal('triton', m.kernel, m.query_power) else \
+                        'triton'
             return
     if impl == 'fused':
         dev = torch.device(device or next(model.parameters()).device)
@@ -296,7 +297,7 @@ def set_impl(model, impl, ffn='auto', device=None, train=False):
             m.core = CORE[impl]
         elif isinstance(m, NormAwareLinearAttention) and m.kernel == 'official':
             # the official map with a constant query power has no fused core
-            m.core = 'fast' if impl == 'fused' and m.query_power is not None else CORE[impl]
+            m.core = 'fast' if core_refusal(CORE[impl], m.kernel, m.query_power) else CORE[impl]
     if impl == 'official':
         for m in pola_modules(model):
             m.forward = types.MethodType(official_pola_forward, m)

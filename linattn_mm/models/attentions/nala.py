@@ -69,7 +69,7 @@ import torch.nn.functional as F
 from linattn_mm.ops.common import autocast_on, core_dtype, no_autocast
 from linattn_mm.ops.dispatch import check_core
 from linattn_mm.ops.lean_layers import NormGatedLinear, depthwise_conv_tokens, split_linear
-from linattn_mm.ops.nala import (KERNELS, RopeTables, apply_rope, nala_attention,
+from linattn_mm.ops.nala import (KERNELS, RopeTables, apply_rope, core_refusal, nala_attention,
                                  nala_feature_maps, nala_weights_reference, rotate_pairs)
 from linattn_mm.registry import ATTENTIONS
 from .base import BaseTokenMixer
@@ -286,11 +286,9 @@ class NormAwareLinearAttention(NaLaMixerBase):
                                  f'positive number, got {query_power!r}')
             query_power = float(query_power)
         self.core = check_core(name, core)
-        kind = {'triton': 'Triton', 'fused': 'fused'}.get(core)
-        if kernel != 'official' and kind:
-            raise ValueError(f"{name}: kernel={kernel!r} has no {kind} core")
-        if query_power is not None and kind:
-            raise ValueError(f'{name}: a constant query_power has no {kind} core')
+        refusal = core_refusal(core, kernel, query_power)
+        if refusal:
+            raise ValueError(f'{name}: {refusal}')
         self.kernel = kernel
         self.power = float(power)
         self.query_power = query_power

@@ -31,7 +31,23 @@ from .reference import (KERNELS, apply_rope, nala_attention_reference, nala_feat
 
 __all__ = ['nala_attention', 'nala_attention_reference', 'nala_attention_fast', 'apply_rope',
            'rotate_every_two', 'RopeTables', 'rope_turn', 'rope_turns', 'rotate_pairs',
-           'nala_feature_maps', 'nala_weights_reference', 'KERNELS']
+           'nala_feature_maps', 'nala_weights_reference', 'KERNELS', 'OFFICIAL_ONLY_CORES',
+           'core_refusal']
+
+#: the NaLa cores that run the official kernel with the norm-aware power only, by their names in
+#: errors
+OFFICIAL_ONLY_CORES = {'triton': 'Triton', 'fused': 'fused'}
+
+
+def core_refusal(core, kernel, query_power):
+    """Why the NaLa core ``core`` cannot run the feature map ``kernel`` with ``query_power``
+    (a sentence for an error), or None when it can."""
+    kind = OFFICIAL_ONLY_CORES.get(core)
+    if kind and kernel != 'official':
+        return f'kernel={kernel!r} has no {kind} core'
+    if kind and query_power is not None:
+        return f'a constant query_power has no {kind} core'
+    return None
 
 
 def nala_attention(q, k, v, power=3., eps=1e-6, sin=None, cos=None, kernel='official',
@@ -49,11 +65,9 @@ def nala_attention(q, k, v, power=3., eps=1e-6, sin=None, cos=None, kernel='offi
     instead of the norm-aware ``power * (0.5 + tanh ||q||)`` (the paper's Table 5 ablation; no
     Triton or fused core)."""
     check_core('nala_attention', core)
-    name = {'triton': 'Triton', 'fused': 'fused'}.get(core)
-    if kernel != 'official' and name:
-        raise ValueError(f"nala_attention: kernel={kernel!r} has no {name} core")
-    if query_power is not None and name:
-        raise ValueError(f"nala_attention: a constant query_power has no {name} core")
+    refusal = core_refusal(core, kernel, query_power)
+    if refusal:
+        raise ValueError(f'nala_attention: {refusal}')
     if core == 'triton':
         from .triton import nala_attention_triton
         return nala_attention_triton(q, k, v, power, eps, sin, cos,

@@ -37,6 +37,7 @@ from ..dispatch import (FUSED_WARPS, fused_block, fused_chunks, launch_fitted, p
                         triton_module)
 from ..pola.triton import check_qkv
 from .fast import rope_fold
+from .triton import _rope_args, check_power_and_rope
 
 triton = triton_module()
 if triton is not None:
@@ -181,12 +182,6 @@ if triton is not None:
 # counters of linattn_mm.utils count what each kernel reads and writes on ``meta`` tensors).
 # ------------------------------------------------------------------------------------------------
 _LIB = 'linattn_mm::'
-
-
-def _rope_args(sin, cos, fallback):
-    if sin is None:
-        return fallback, fallback, (0, 0)
-    return sin, cos, cos.stride()
 
 
 def _features_outputs(x, rope, queries):
@@ -355,20 +350,5 @@ def nala_attention_fused(q, k, v, power=3., eps=1e-6, sin=None, cos=None, v_keep
     result float32 (a (B, h, N, d) view of a (B, N, h, d) buffer), gradients through
     :class:`NormAwareAttentionFused`. The RoPE needs the keys on the query grid, tables of shape
     (N, d) and an even head dim."""
-    fn = 'nala_attention_fused'
-    if power <= 0:
-        raise ValueError(f'{fn}: power must be positive, got {power}')
-    if (sin is None) != (cos is None):
-        raise ValueError(f'{fn}: give both sin and cos, or neither')
-    if sin is not None:
-        N, n, d = q.shape[-2], k.shape[-2], q.shape[-1]
-        if n != N or tuple(sin.shape) != (N, d) or tuple(cos.shape) != (N, d):
-            raise ValueError(f'{fn}: the RoPE needs keys on the query grid and sin/cos of shape '
-                             f'(N, d) = ({N}, {d}); got n={n}, sin {tuple(sin.shape)}, cos '
-                             f'{tuple(cos.shape)}')
-        if d % 2:
-            raise ValueError(f'{fn}: the RoPE rotates channel pairs; head dim {d} is odd')
-        sin, cos = sin.to(q.device), cos.to(q.device)
-        if cos.stride() != sin.stride():
-            sin, cos = sin.contiguous(), cos.contiguous()
+    sin, cos = check_power_and_rope('nala_attention_fused', q, k, power, sin, cos)
     return NormAwareAttentionFused.apply(q, k, v, float(power), float(eps), sin, cos, v_keep)

@@ -55,7 +55,7 @@ from ..pola.triton import (_LIB, _padded, _partials, _split, check_qkv, register
                           triton)
 from .fast import _rot_rows
 
-__all__ = ['nala_attention_triton', 'NormAwareAttentionTriton']
+__all__ = ['nala_attention_triton', 'NormAwareAttentionTriton', 'check_power_and_rope']
 
 if triton is not None:
     import triton.language as tl
@@ -542,24 +542,31 @@ def nala_attention_triton(q, k, v, power=3., eps=1e-6, sin=None, cos=None, out_d
     Returns:
         Tensor: (B, h, N, d), a view of a (B, N, h, d) buffer.
     """
-    fn = 'nala_attention_triton'
+    # q, k, v are checked by the Function
+    sin, cos = check_power_and_rope('nala_attention_triton', q, k, power, sin, cos)
+    return NormAwareAttentionTriton.apply(q, k, v, float(power), float(eps), sin, cos, out_dtype,
+                                          block_n, block_m, v_keep)
+
+
+def check_power_and_rope(fn, q, k, power, sin, cos):
+    """``power`` and the RoPE tables of a NaLa core that runs Triton kernels (named ``fn``):
+    a positive power, both tables or neither, keys on the query grid, tables of shape (N, d) and
+    an even head dim. Returns ``sin, cos`` on q's device with one stride (None, None without the
+    RoPE); a ``ValueError`` names what is wrong."""
     if power <= 0:
         raise ValueError(f'{fn}: power must be positive, got {power}')
-    has_rope = sin is not None or cos is not None
-    if has_rope:
-        if sin is None or cos is None:
-            raise ValueError(f'{fn}: give both sin and cos, or neither')
-        N, n, d = q.shape[-2], k.shape[-2], q.shape[-1]
-        if n != N or tuple(sin.shape) != (N, d) or tuple(cos.shape) != (N, d):
-            raise ValueError(f'{fn}: the RoPE needs keys on the query grid and sin/cos of shape '
-                             f'(N, d) = ({N}, {d}); got n={n}, sin {tuple(sin.shape)}, cos '
-                             f'{tuple(cos.shape)}')
-        if d % 2:
-            raise ValueError(f'{fn}: the RoPE rotates channel pairs; head dim {d} is odd')
-    if has_rope:  # q, k, v are checked by the Function
-        sin, cos = sin.to(q.device), cos.to(q.device)
-        if cos.stride() != sin.stride():
-            sin, cos = sin.contiguous(), cos.contiguous()
-    return NormAwareAttentionTriton.apply(q, k, v, float(power), float(eps),
-                                          sin if has_rope else None, cos if has_rope else None,
-                                          out_dtype, block_n, block_m, v_keep)
+    if sin is None and cos is None:
+        return None, None
+    if sin is None or cos is None:
+        raise ValueError(f'{fn}: give both sin and cos, or neither')
+    N, n, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    if n != N or tuple(sin.shape) != (N, d) or tuple(cos.shape) != (N, d):
+        raise ValueError(f'{fn}: the RoPE needs keys on the query grid and sin/cos of shape '
+                         f'(N, d) = ({N}, {d}); got n={n}, sin {tuple(sin.shape)}, cos '
+                         f'{tuple(cos.shape)}')
+    if d % 2:
+        raise ValueError(f'{fn}: the RoPE rotates channel pairs; head dim {d} is odd')
+    sin, cos = sin.to(q.device), cos.to(q.device)
+    if cos.stride() != sin.stride():
+        sin, cos = sin.contiguous(), cos.contiguous()
+    return sin, cos
