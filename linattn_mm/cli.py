@@ -118,12 +118,14 @@ def set_attention_core(model, core):
     """Put every Pola mixer (``PolaLinearAttention``) and NaLa mixer (``NormAwareLinearAttention``)
     of a built ``model`` on the core ``core`` (:data:`linattn_mm.ops.dispatch.CORES`; ``'triton'``:
     the Triton kernels, forward and backward, CUDA; ``'fused'``: the torch cores' products with
-    their elementwise passes in Triton, CUDA) and return how many there are. A ``ValueError`` when
-    the model has none, for an unknown core name, for ``'triton'`` or ``'fused'`` where the model
-    is not on a CUDA device (or Triton is missing), or for a NaLa mixer whose feature map has no
-    such core (the paper's kernel, a constant query power), naming it."""
+    their elementwise passes in Triton, CUDA; NaLaFormer blocks then run their conv sums as
+    Triton kernels too, ``ffn_core='fused'``) and return how many mixers there are. A
+    ``ValueError`` when the model has none, for an unknown core name, for ``'triton'`` or
+    ``'fused'`` where the model is not on a CUDA device (or Triton is missing), or for a NaLa mixer
+    whose feature map has no such core (the paper's kernel, a constant query power), naming it."""
     from linattn_mm.models.attentions.nala import NormAwareLinearAttention
     from linattn_mm.models.attentions.pola import PolaLinearAttention
+    from linattn_mm.models.backbones.nalaformer import set_fused_blocks
     from linattn_mm.ops.dispatch import check_core, triton_available
     from linattn_mm.ops.nala import OFFICIAL_ONLY_CORES, core_refusal
     check_core('--attn-core', core)
@@ -143,6 +145,7 @@ def set_attention_core(model, core):
                              f"official kernel only)")
     for _, m in mixers:
         m.core = core
+    set_fused_blocks(model, core == 'fused')
     return len(mixers)
 
 

@@ -137,7 +137,7 @@ from linattn_mm.flops import dummy_inputs
 from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d
 from linattn_mm.models.attentions.pola import PolaLinearAttention
 from linattn_mm.models.utils.layers import TransformerBlock
-from linattn_mm.models.backbones.nalaformer import NaLaBlock
+from linattn_mm.models.backbones.nalaformer import NaLaBlock, set_fused_blocks
 from linattn_mm.ops.common import autocast_on, no_autocast
 from linattn_mm.ops.dispatch import padded_head_dims, triton_available
 from linattn_mm.ops.nala import core_refusal
@@ -264,7 +264,8 @@ def set_impl(model, impl, ffn='auto', device=None, train=False):
     one: ``fast`` and ``triton`` convert the model (:func:`linattn_mm.deploy.convert`, for CPU or
     CUDA), ``torch``, ``fused`` and ``reference`` leave it unconverted with the mixers' ``core``
     set to ``'fast'`` / ``'fused'`` / ``'reference'`` (``fused``: CUDA, or ``meta`` to count; NaLa
-    mixers with a constant query power keep ``'fast'``), ``official`` binds the official Pola
+    mixers with a constant query power keep ``'fast'``; NaLaFormer blocks get their fused conv
+    sums, ``ffn_core='fused'``), ``official`` binds the official Pola
     forward (NaLa mixers: their reference core). ``ffn='plain'`` keeps the blocks unconverted (the
     mixers alone differ). For training (``train``) nothing is converted: ``fast`` is the default
     training form, ``triton`` puts the Pola and NaLa mixers (official kernel) on their Triton
@@ -276,6 +277,7 @@ def set_impl(model, impl, ffn='auto', device=None, train=False):
             if dev.type not in ('cuda', 'meta'):
                 raise ValueError('--impls triton trains on --device cuda (or counts on meta)')
             deploy.revert(model)
+            set_fused_blocks(model, False)
             for m in pola_modules(model):  # an earlier 'official' variant's bound forward
                 m.__dict__.pop('forward', None)
             for m in model.modules():
@@ -298,6 +300,7 @@ def set_impl(model, impl, ffn='auto', device=None, train=False):
         elif isinstance(m, NormAwareLinearAttention) and m.kernel == 'official':
             # the official map with a constant query power has no fused core
             m.core = 'fast' if core_refusal(CORE[impl], m.kernel, m.query_power) else CORE[impl]
+    set_fused_blocks(model, impl == 'fused')
     if impl == 'official':
         for m in pola_modules(model):
             m.forward = types.MethodType(official_pola_forward, m)

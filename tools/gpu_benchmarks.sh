@@ -9,9 +9,10 @@
 # Parts (in this order; each writes OUT_DIR/PART.log, the benchmarks also OUT_DIR/PART.json):
 #   tests         the CUDA tests: the Triton cores compiled and checked against the float64
 #                 reference, the CUDA training forms, autocast, the inference conversion
-#   train_fused   the question of 0.6.13 in a few minutes: training steps at 800×1344, bf16
-#                 autocast, batch 8, of Pola-Swin-T, NaLaFormer-T and Pola-PVT-T on the torch and
-#                 the fused cores against the stock Swin-T and PVT-T (fewer rounds than train_b8)
+#   train_fused   the question of 0.6.13-0.6.14 in a few minutes: training steps at 800×1344,
+#                 bf16 autocast, batch 8, of Pola-Swin-T, NaLaFormer-T and Pola-PVT-T on the torch
+#                 and the fused cores (NaLaFormer's blocks with their fused conv sums) against the
+#                 stock Swin-T and PVT-T (fewer rounds than train_b8)
 #   pola_core     the Pola core alone, forward and backward, bf16, 128² and 256² tokens, batch 8:
 #                 Triton (its products in float32 and on the tensor cores, tf32x3; and its
 #                 gradient passes launched as up to 0.6.11, w4b64) and the fused core (torch's

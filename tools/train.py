@@ -10,7 +10,8 @@ Same flags as the stock OpenMMLab ``tools/train.py``:
 ``--attn-core triton`` trains every Pola and NaLa mixer of the model with the Triton kernels of
 its core, forward and backward (CUDA; the default is the torch training Function,
 ``core='fast'``; ``linattn_mm.cli.set_attention_core``). ``--attn-core fused`` trains them with
-the fused cores (torch's products, the elementwise passes as Triton kernels; CUDA).
+the fused cores (torch's products, the elementwise passes as Triton kernels; CUDA), and
+NaLaFormer's blocks with their depth-wise conv sums as Triton kernels (``ffn_core='fused'``).
 
 ``--demo`` runs CONFIG on the generated demo data with the demo schedule (``linattn_mm.demo``).
 """
@@ -77,8 +78,10 @@ def main(argv=None):
     apply_launcher_defaults(cfg)
     runner = build_runner(cfg)
     if args.attn_core:
-        print(f'--attn-core: {set_attention_core(runner.model, args.attn_core)} Pola / NaLa '
-              f'mixers on core {args.attn_core!r}')
+        mixers = set_attention_core(runner.model, args.attn_core)
+        blocks = sum(getattr(m, 'ffn_core', None) == 'fused' for m in runner.model.modules())
+        print(f'--attn-core: {mixers} Pola / NaLa mixers on core {args.attn_core!r}'
+              + (f', {blocks} NaLaFormer blocks with fused conv sums' if blocks else ''))
     try:
         with safe_globals():  # --resume / load_from: mmengine checkpoints hold HistoryBuffers
             runner.train()

@@ -5,14 +5,15 @@ import functools
 import numpy as np
 import torch
 
-from linattn_mm.utils.autocast_meta import meta_autocast_enabled, meta_autocast_off
+from linattn_mm.utils.autocast_meta import (meta_autocast_dtype, meta_autocast_enabled,
+                                           meta_autocast_off)
 
 __all__ = ['grad_needed', 'promote_types', 'into', 'sign_split', 'sign_split_dot', 'linear_into',
            'chunked_layer_setup', 'MIN_CHUNK_ROWS',
            'numpy_log2_', 'NUMPY_LOG2_MAX_THREADS', 'core_dtype', 'no_autocast', 'autocast_on',
            'token_chunk_rows', 'TOKEN_CHUNK_ELEMENTS', 'TOKEN_MIN_ROWS', 'add_or_take',
            'token_gram', 'token_gram_parts', 'TOKENS_PER_GRAM_PART', 'in_dtype_of',
-           'kept_input']
+           'kept_input', 'autocast_dtype']
 
 
 def grad_needed(*tensors):
@@ -259,3 +260,13 @@ def numpy_log2_(t):
             np.log2(a, out=a)
         return t
     return t.log2_()
+
+
+def autocast_dtype(device):
+    """The dtype autocast runs its lower-precision operations in on ``device`` (a
+    :func:`~linattn_mm.utils.meta_autocast` region's on ``meta``), or None where it is off."""
+    if not autocast_on(device):
+        return None
+    if device.type == 'meta':
+        return meta_autocast_dtype()
+    return torch.get_autocast_dtype(device.type)

@@ -78,19 +78,21 @@ def test_train_tool_runs_with_the_named_core(demo_data, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('config, mixers', [
-    ('polaformer/mask-rcnn_pola-swin-t_fpn_1x_coco.py', 4),  # global Pola stages 1-2: 2 + 2
-    ('nalaformer/mask-rcnn_nalaformer-t_fpn_1x_coco.py', 4)])  # NaLa stages 1-2: 2 + 2
-def test_train_tool_runs_with_the_fused_core(demo_data, tmp_path, config, mixers):
-    # the fused cores through the tool: their Triton kernels in the interpreter on CPU, one
-    # Mask R-CNN iteration with finite losses
+@pytest.mark.parametrize('config, mixers, blocks', [
+    ('polaformer/mask-rcnn_pola-swin-t_fpn_1x_coco.py', 4, ''),  # global Pola stages 1-2
+    # NaLa stages 1-2 (2 + 2 blocks); all 2 + 2 + 6 + 2 blocks with their fused conv sums
+    ('nalaformer/mask-rcnn_nalaformer-t_fpn_1x_coco.py', 4,
+     ', 12 NaLaFormer blocks with fused conv sums')])
+def test_train_tool_runs_with_the_fused_core(demo_data, tmp_path, config, mixers, blocks):
+    # the fused cores (and NaLaFormer's fused conv sums) through the tool: their Triton kernels
+    # in the interpreter on CPU, one Mask R-CNN iteration with finite losses
     pytest.importorskip('triton')
     cfg = osp.join(CONFIGS, config)
     train, _, _ = short_run_options(Config.fromfile(cfg))
     out = run_tool(['tools/train.py', cfg, '--demo', '--attn-core', 'fused', '--work-dir',
                     str(tmp_path / 'work'), '--cfg-options'] + train,
                    env=dict(TRITON_INTERPRET='1'))
-    assert f"--attn-core: {mixers} Pola / NaLa mixers on core 'fused'" in out
+    assert f"--attn-core: {mixers} Pola / NaLa mixers on core 'fused'{blocks}\n" in out
     loss = re.search(r'Epoch\(train\) \[1\]\[1/1\].* loss: ([\d.]+) ', out)
     assert loss and 0 < float(loss.group(1)) < 100, out[-3000:]
     assert 'Saving checkpoint' in out

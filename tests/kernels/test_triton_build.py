@@ -214,7 +214,7 @@ def test_the_fused_cores_elementwise_kernels_are_small(builds, arch):
     # none spills (d = 12 float32, d = 32 and 64 bf16; Pola with the position encoding and
     # temperature, NaLa with the RoPE and at d = 32 without)
     cases = {case: launches for case, launches in _cases(builds[arch]).items()
-             if case.startswith('fused ')}
+             if case.startswith(('fused pola ', 'fused nala '))}
     assert set(cases) == {f'fused {family} d{d} {dtype} {extras}'
                           for family, extras in (('pola', 'pe+temperature'), ('nala', 'rope'))
                           for d, dtype in ((12, 'fp32'), (32, 'bf16'), (64, 'bf16'))} | {
@@ -222,6 +222,28 @@ def test_the_fused_cores_elementwise_kernels_are_small(builds, arch):
     for case, launches in cases.items():
         family = case.split()[1]
         assert [launch[0] for launch in launches] == FUSED_LAUNCHES[family], (case, launches)
+        for name, stages, shared, spills, _ in launches:
+            assert stages == 3 and shared <= 4096, (case, name, stages, shared)
+            assert spills in (None, 0) if arch == 90 else spills is None, (case, name, spills)
+
+
+#: a block's conv sums, forward and backward: the ConvFFN's sum, then in its backward the sum
+#: again and the flipped sum times gelu'; the CPE's sum (with its half-precision copy under
+#: autocast) and the flipped sum
+CONV_SUM_LAUNCHES = {'convffn': ['_conv_sum_kernel'] * 3, 'cpe': ['_conv_sum_kernel'] * 2}
+
+
+@pytest.mark.parametrize('arch', sorted(GPUS))
+def test_the_fused_conv_sums_are_small(builds, arch):
+    # NaLaFormer blocks' conv sums (ops.ffn.fused) hold one tile of the map: three pipeline
+    # stages with at most 4 KB of shared memory on every GPU, and on Hopper no spills (float32
+    # at width 64; the conv in bf16 at width 256, channels-last and NCHW)
+    cases = {case: launches for case, launches in _cases(builds[arch]).items()
+             if case.startswith(('fused convffn ', 'fused cpe '))}
+    assert set(cases) == {f'fused {kind} {width}' for kind in ('convffn', 'cpe')
+                          for width in ('c64 fp32', 'c256 bf16')}
+    for case, launches in cases.items():
+        assert [launch[0] for launch in launches] == CONV_SUM_LAUNCHES[case.split()[1]], case
         for name, stages, shared, spills, _ in launches:
             assert stages == 3 and shared <= 4096, (case, name, stages, shared)
             assert spills in (None, 0) if arch == 90 else spills is None, (case, name, spills)

@@ -215,6 +215,53 @@ def test_nalaformer_trains_on_cuda(monkeypatch, core):
     assert err < max(1e-5, 1.5 * baseline), (err, baseline)
 
 
+@pytest.mark.parametrize('layout', ['nhwc', 'nchw'])
+@pytest.mark.parametrize('dtype', sorted(DTYPES))
+@pytest.mark.parametrize('C', [64, 256])
+def test_conv_sums_on_cuda(layout, dtype, C):
+    """NaLaFormer blocks' conv sums (ops.ffn.fused) on CUDA: ``x + dwconv(x)`` and the flipped
+    sum times gelu'(pre) against the float64 formula (the conv as the interpreter tests write it,
+    tap by tap), float32 to 1e-5, the conv and the sum in half precision to their rounding."""
+    from linattn_mm.ops.ffn.fused import conv_sum
+    from kernels.triton_interpret_checks import _gelu_grad64, _shifted_sum
+    g = seeded('conv_sum', layout, dtype, C)
+    dt = DTYPES[dtype]
+    B, (H, W) = 2, GRID
+    x = torch.randn(B, H, W, C, device='cuda', generator=g)
+    if layout == 'nchw':
+        x = torch.randn(B, C, H, W, device='cuda', generator=g).permute(0, 2, 3, 1)
+    x = x.to(dt)
+    w = torch.randn(C, 1, 3, 3, device='cuda', generator=g)
+    b = torch.randn(C, device='cuda', generator=g)
+    pre = torch.randn(B, H, W, C, device='cuda', generator=g).to(dt)
+    wr, br = w.to(dt), b.to(dt)  # the conv's weights as it reads them
+    z = conv_sum(x, w, b)
+    assert z.dtype == dt and z.stride() == x.stride()
+    err = rel(z, x.double() + _shifted_sum(x.cpu(), wr.cpu()).cuda() + br.double())
+    assert err < OUT_TOL[dt], f'sum: {err:.3g}'
+    dz = conv_sum(x, w, None, pre=pre, flip=True)
+    want = (x.double() + _shifted_sum(x.cpu(), wr.cpu(), flip=True).cuda()) * _gelu_grad64(pre)
+    assert rel(dz, want) < 2 * OUT_TOL[dt], 'flipped sum times gelu\''
+
+
+def test_nalaformer_trains_on_cuda_with_fused_blocks(monkeypatch):
+    """A training step of the released NaLaFormer layout on the fused blocks (their conv sums as
+    Triton kernels) and the fused NaLa core against the float64 reference forms: within the
+    float32 error of the same step in the default forms (or 1e-5)."""
+    from linattn_mm.models.backbones.nalaformer import set_fused_blocks
+    monkeypatch.setattr(torch.backends.cudnn, 'allow_tf32', False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, 'allow_tf32', False)
+    torch.manual_seed(0)
+    net = NaLaFormer(arch=dict(embed_dims=[32, 64, 64, 64], depths=[1, 1, 1, 1],
+                               num_heads=[1, 2, 2, 2], mlp_ratios=[2, 2, 2, 2]),
+                     drop_path_rate=0., norm_eval=True).cuda().train()
+    x = torch.randn(2, 3, 4 * GRID[0], 4 * GRID[1], device='cuda')
+    baseline = train_vs_reference(copy.deepcopy(net), NormAwareLinearAttention, x, core='fast')
+    assert set_fused_blocks(net, True) == 4
+    err = train_vs_reference(net, NormAwareLinearAttention, x, core='fused')
+    assert err < max(1e-5, 1.5 * baseline), (err, baseline)
+
+
 def _converted_vs_reference(net, mixer_cls, x, monkeypatch):
     """Relative error of ``net`` converted for CUDA (its mixers on the Triton cores, float32)
     against the same net with the reference cores in float64, both on the GPU, TF32 off. A

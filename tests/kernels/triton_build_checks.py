@@ -9,7 +9,8 @@ kernel goes through Triton's real compiler and ``ptxas`` for it; :func:`launch_f
 pipeline stages to ``LIMIT`` as on that GPU. Each core runs forward and backward on CPU tensors of
 several head dims, dtypes and options, two of them with the products on the tensor cores
 (``tf32x3``; nothing is computed: the outputs are empty buffers), and so do the fused cores
-(cases ``fused ...``: their elementwise kernels). Prints
+(cases ``fused ...``: their elementwise kernels), and the conv sums of NaLaFormer's blocks
+(cases ``fused convffn ...``, ``fused cpe ...``). Prints
 a JSON list, one entry per kernel launched: ``[case, kernel, stages, shared bytes, spill stores
 in bytes or None, compile seconds]``, or ``[case, 'error', message]`` for a case that raised. The
 seconds are those of Triton's compiler and ``ptxas`` for that launch, the stage fitting's
@@ -115,6 +116,8 @@ def main():
     dispatch._interpreting = lambda: True  # the cores' device checks accept CPU tensors
     dispatch._stage_limit = lambda device: LIMIT
     from linattn_mm.ops.nala.triton import nala_attention_triton
+    from linattn_mm.models.backbones.nalaformer import ConvFFN
+    from linattn_mm.ops.ffn.fused import ConvResidualFused, conv_ffn_branch_fused
     from linattn_mm.ops.nala.fused import nala_attention_fused
     from linattn_mm.ops.pola.fused import polarity_attention_fused
     from linattn_mm.ops.pola.triton import polarity_attention_triton
@@ -144,6 +147,17 @@ def main():
     def fused_nala(d, dtype, rope):
         return nala(d, dtype, rope, nala_attention_fused)
 
+    def conv_ffn(width, dtype, _):
+        ffn = ConvFFN(width // 4, width).to(dtype)
+        norm = torch.nn.LayerNorm(width // 4).to(dtype)
+        x = torch.randn(2, 9, 13, width // 4, dtype=dtype, requires_grad=True)
+        return conv_ffn_branch_fused(x, norm, ffn)
+
+    def cpe(width, dtype, _):
+        conv = torch.nn.Conv2d(width, width, 3, 1, 1, groups=width)
+        x = torch.randn(2, width, 9, 13, requires_grad=True)
+        return ConvResidualFused.apply(x, conv.weight, conv.bias, dtype)
+
     cases = {}
     for d in (12, 32, 64):
         cases[f'pola d{d} fp32 pe+temperature'] = (pola, d, torch.float32, True)
@@ -163,6 +177,12 @@ def main():
         cases[f'fused pola d{d} {name} pe+temperature'] = (fused, d, dtype, True)
         cases[f'fused nala d{d} {name} rope'] = (fused_nala, d, dtype, True)
     cases['fused nala d32 bf16'] = (fused_nala, 32, torch.bfloat16, False)
+    # NaLaFormer blocks' conv sums (ops.ffn.fused): a ConvFFN on a channels-last map (d: its
+    # width), a CPE on an NCHW map, float32 or with the conv in bf16 as under autocast
+    for width, dtype in ((64, torch.float32), (256, torch.bfloat16)):
+        name = 'fp32' if dtype == torch.float32 else 'bf16'
+        cases[f'fused convffn c{width} {name}'] = (conv_ffn, width, dtype, None)
+        cases[f'fused cpe c{width} {name}'] = (cpe, width, dtype, None)
     results = []
     for case, (fn, d, dtype, flag) in cases.items():
         del LAUNCHED[:]

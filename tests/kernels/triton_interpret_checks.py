@@ -3,7 +3,8 @@
 set before the kernels are defined). Arguments: ``pola``, ``pola-grad`` (the Pola kernels'
 backward: the gradients of the core, of modules and of a backbone), ``pola-fused`` (the same
 gradients with the fused Pola core, :mod:`linattn_mm.ops.pola.fused`), ``nala`` and / or
-``nala-grad`` and ``nala-fused`` (the same for NaLa) (default ``pola`` and ``nala``). Prints one
+``nala-grad`` and ``nala-fused`` (the same for NaLa), ``conv-fused`` (NaLaFormer blocks' conv
+sums, :mod:`linattn_mm.ops.ffn.fused`) (default ``pola`` and ``nala``). Prints one
 JSON object: case name -> relative error against the float64 reference."""
 import copy
 import functools
@@ -183,6 +184,8 @@ def train_vs_reference(net, mixer_cls, *inputs, core='triton'):
     for m in ref.modules():
         if isinstance(m, mixer_cls):
             m.core = 'reference'
+        if getattr(m, 'ffn_core', None) == 'fused':  # NaLaFormer blocks: their plain modules
+            m.ffn_core = 'reference'
     errs = []
     weights = None
     for model, cast in ((net, torch.float32), (ref, torch.float64)):
@@ -331,6 +334,148 @@ def run_nala_grads(res, fused=False):
         net, NormAwareLinearAttention, x, core='fused' if fused else 'triton')
 
 
+def _shifted_sum(x, w, flip=False):
+    """float64 ``sum_ij w[c, 0, i, j] x[b, y + i - K//2, x + j - K//2, c]`` of a (B, H, W, C) map
+    (zeros outside; the kernel flipped with ``flip``), written out tap by tap."""
+    B, H, W, C = x.shape
+    K = w.shape[-1]
+    P = K // 2
+    pad = torch.zeros(B, H + 2 * P, W + 2 * P, C, dtype=torch.float64)
+    pad[:, P:P + H, P:P + W] = x.double()
+    out = torch.zeros(B, H, W, C, dtype=torch.float64)
+    for i in range(K):
+        for j in range(K):
+            wi, wj = (K - 1 - i, K - 1 - j) if flip else (i, j)
+            out += pad[:, i:i + H, j:j + W] * w[:, 0, wi, wj].double()
+    return out
+
+
+def _gelu_grad64(p):
+    p = p.double()
+    return 0.5 * (1 + torch.erf(p / 2 ** 0.5)) + p * torch.exp(-p * p / 2) / (2 * torch.pi) ** 0.5
+
+
+def run_conv_sums(res):
+    """NaLaFormer blocks' conv sums (linattn_mm.ops.ffn.fused): the kernel against the formula;
+    the ConvFFN and CPE Functions' gradients against plain autograd of the modules in float64;
+    under bf16 autocast against the blocks' default form; whole NaLaFormers on the fused blocks
+    and the fused NaLa core against the float64 reference."""
+    from linattn_mm.models.backbones.nalaformer import ConvFFN, NaLaBlock, set_fused_blocks
+    from linattn_mm.ops.ffn.fused import ConvResidualFused, conv_ffn_branch_fused, conv_sum
+    g = torch.Generator().manual_seed(7)
+    # the kernel: channels-last and NCHW maps, K 3 and 5, bias or none, flipped, times gelu'
+    for layout in ('nhwc', 'nchw'):
+        for K, bias, flip, gelu, W, C in ((3, True, False, False, 19, 21),
+                                          (3, False, True, True, 150, 300),
+                                          (5, True, True, False, 70, 9)):
+            B, H = 2, 7  # maps of one tile, of several along the row and across the channels
+            x = torch.randn(B, H, W, C, generator=g)
+            if layout == 'nchw':
+                x = torch.randn(B, C, H, W, generator=g).permute(0, 2, 3, 1)
+            w = torch.randn(C, 1, K, K, generator=g)
+            b = torch.randn(C, generator=g) if bias else None
+            pre = torch.randn(B, H, W, C, generator=g) if gelu else None
+            z = conv_sum(x, w, b, pre=pre, flip=flip)
+            assert z.stride() == x.stride() and z.dtype == torch.float32
+            want = x.double() + _shifted_sum(x, w, flip)
+            if bias:
+                want = want + b.double()
+            if gelu:
+                want = want * _gelu_grad64(pre)
+            res[f'conv_sum {layout} K{K} bias={bias} flip={flip} gelu={gelu}'] = rel(z, want)
+    # in bf16 (the conv as autocast runs it): the two roundings of conv2d + add; a float32 map
+    # (the CPE's) with the conv in bf16 and the sum in float32, and its bf16 copy
+    x = torch.randn(2, 9, 11, 24, generator=g)
+    w, b = torch.randn(24, 1, 3, 3, generator=g), torch.randn(24, generator=g)
+    for name, inp, out_dtype in (('bf16 map', x.bfloat16(), torch.bfloat16),
+                                 ('fp32 map, bf16 conv', x, torch.float32)):
+        z, copy_ = conv_sum(inp, w, b, conv_dtype=torch.bfloat16, out_dtype=out_dtype, copy=True)
+        xb = inp.bfloat16()
+        conv = (_shifted_sum(xb, w.bfloat16()) + b.bfloat16().double()).float().bfloat16()
+        want = (inp.double() + conv.double()).to(out_dtype)
+        assert z.dtype == out_dtype and copy_.dtype == torch.bfloat16
+        res[f'conv_sum {name}: elements off its rounding'] = (z != want).float().mean().item()
+        diff = (z.double() - want.double()).abs()
+        res[f'conv_sum {name}: largest difference (ulps)'] = torch.where(
+            diff == 0, 0., diff / (want.double().abs() * 2 ** -8)).max().item()
+        res[f'conv_sum {name}: copy differences'] = (copy_ != xb).sum().item()
+
+    def step(fn, leaves, grad):
+        out = fn(*leaves)
+        return [out, *torch.autograd.grad(out, [t for t in leaves if t.requires_grad], grad)]
+
+    # the ConvFFN branch (B, H, W, C) against its modules in float64
+    torch.manual_seed(1)
+    for i, (H, W, C) in enumerate(((6, 9, 8), (5, 13, 12))):
+        ffn = ConvFFN(C, 4 * C)
+        norm = torch.nn.LayerNorm(C)
+        with torch.no_grad():
+            for p in (*ffn.parameters(), *norm.parameters()):
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+        x = torch.randn(2, H, W, C, generator=g, requires_grad=True)
+        grad = torch.randn(2, H, W, C, generator=g)
+        params = [x, *norm.parameters(), *ffn.parameters()]
+        got = step(lambda *a: conv_ffn_branch_fused(x, norm, ffn), params, grad)
+        ffn64, norm64 = copy.deepcopy(ffn).double(), copy.deepcopy(norm).double()
+        x64 = x.detach().double().requires_grad_()
+        want = step(lambda *a: ffn64(norm64(x64).permute(0, 3, 1, 2)).permute(0, 2, 3, 1),
+                    [x64, *norm64.parameters(), *ffn64.parameters()], grad.double())
+        res[f'ConvFFN fused {H}x{W}x{C}: out and every gradient'] = max(
+            rel(a, b) for a, b in zip(got, want))
+        # the CPE x + dwconv(x) on an NCHW map
+        conv = torch.nn.Conv2d(C, C, 3, 1, 1, groups=C)
+        xc = torch.randn(2, C, H, W, generator=g, requires_grad=True)
+        grad = torch.randn(2, C, H, W, generator=g)
+        got = step(lambda *a: ConvResidualFused.apply(xc, conv.weight, conv.bias, torch.float32),
+                   [xc, conv.weight, conv.bias], grad)
+        conv64 = copy.deepcopy(conv).double()
+        x64 = xc.detach().double().requires_grad_()
+        want = step(lambda *a: x64 + conv64(x64), [x64, *conv64.parameters()], grad.double())
+        res[f'CPE fused {H}x{W}x{C}: out and every gradient'] = max(
+            rel(a, b) for a, b in zip(got, want))
+    # a NaLaFormer block under bf16 autocast: the fused conv sums against the default form
+    torch.manual_seed(2)
+    blk = NaLaBlock(16, 4, dict(type='NormAwareLinearAttention'), layer_scale_init_value=0.7)
+    with torch.no_grad():
+        for name, p in blk.named_parameters():
+            if 'bias' in name or 'cpe' in name or 'dwconv' in name:
+                p.normal_(0, 0.3, generator=g)
+    x = torch.randn(2, 16, 7, 9, generator=g)
+    grad = torch.randn(2, 16, 7, 9, generator=g)
+    runs = {}
+    for core in ('fast', 'fused'):
+        blk.ffn_core = core
+        xi = x.clone().requires_grad_()
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            out = blk(xi)
+        runs[core] = dict(out=out, **dict(zip(
+            ['x'] + [n for n, _ in blk.named_parameters()],
+            torch.autograd.grad(out, [xi, *blk.parameters()], grad))))
+    fast, fused = runs['fast'], runs['fused']
+    assert all(fused[k].dtype == fast[k].dtype for k in fast)
+    res['bf16 block: output, largest difference'] = (fused['out'] - fast['out']).abs().max().item()
+    for part in ('x', 'ffn.', 'cpe1.', 'cpe2.'):
+        res[f'bf16 block: gradients {part}'] = max(
+            rel(fused[k], fast[k]) for k in fast if k == part or k.startswith(part))
+    # whole NaLaFormers (the released layout, and NaLa in every stage) on the fused blocks and
+    # the fused NaLa core, activation checkpointing
+    for name, cfg in (('released', {}), ('NaLa everywhere',
+                                         dict(attn_cfg=dict(type='NormAwareLinearAttention')))):
+        torch.manual_seed(0)
+        net = NaLaFormer(arch=dict(embed_dims=[16, 32, 32, 32], depths=[1, 1, 1, 1],
+                                   num_heads=[1, 2, 2, 2], mlp_ratios=[2, 2, 2, 2]),
+                         with_cp=True, drop_path_rate=0., norm_eval=True, **cfg).train()
+        x = torch.randn(2, 3, 64, 96)
+        # the float32 error of the same network in its default forms, the baseline
+        res[f'train NaLaFormer {name}, with_cp, default forms (baseline)'] = train_vs_reference(
+            copy.deepcopy(net), NormAwareLinearAttention, x, core='fast')
+        assert set_fused_blocks(net, True) == 4
+        res[f'train NaLaFormer {name}, with_cp, fused blocks'] = train_vs_reference(
+            copy.deepcopy(net), NormAwareLinearAttention, x, core='fast')
+        res[f'train NaLaFormer {name}, with_cp, fused blocks and core'] = train_vs_reference(
+            net, NormAwareLinearAttention, x, core='fused')
+
+
 if __name__ == '__main__':
     results = {}
     which = sys.argv[1:] or ['pola', 'nala']
@@ -349,4 +494,6 @@ if __name__ == '__main__':
         run_nala_grads(results)
     if 'nala-fused' in which:
         run_nala_grads(results, fused=True)
+    if 'conv-fused' in which:
+        run_conv_sums(results)
     json.dump(results, sys.stdout)

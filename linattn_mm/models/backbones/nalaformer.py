@@ -85,6 +85,12 @@ class ConvFFN(nn.Module):
         return self.drop(self.fc2(x.permute(0, 2, 3, 1))).permute(0, 3, 1, 2)
 
 
+#: a block's ``ffn_core`` names: its ConvFFN (and, ``'fused'``, its CPEs) as
+#: :class:`~linattn_mm.ops.ffn.ConvFFNBranch`, the plain modules, or the Triton kernels of
+#: :mod:`linattn_mm.ops.ffn.fused`
+FFN_CORES = ('fast', 'reference', 'fused')
+
+
 def _cpe_pair(name, use_cpe):
     """``use_cpe`` (a bool, or a pair of bools for ``cpe1`` / ``cpe2``) as a pair of bools."""
     pair = (use_cpe, use_cpe) if isinstance(use_cpe, bool) else tuple(use_cpe) \
@@ -125,6 +131,10 @@ class NaLaBlock(nn.Module):
     The ConvFFN half runs as :func:`linattn_mm.ops.ffn.conv_ffn_branch` (``ffn_core='fast'``
     without dropout): the same values and gradients, with only the map, its LayerNorm statistics
     and the ``fc1`` output kept for backward; ``ffn_core='reference'`` runs the modules one by one.
+    ``ffn_core='fused'`` (CUDA, for training; set by
+    :func:`linattn_mm.cli.set_attention_core` with ``'fused'``) runs the ConvFFN's conv sum
+    ``h + dwconv(h)`` and the CPEs' ``x + cpe(x)`` as Triton kernels
+    (:mod:`linattn_mm.ops.ffn.fused`): the same values and gradients, fewer passes over memory.
     """
 
     def __init__(self, embed_dims, num_heads, attn_cfg, mlp_ratio=4., drop_path=0.,
@@ -150,7 +160,7 @@ class NaLaBlock(nn.Module):
             self.gamma_2 = nn.Parameter(torch.full((1, embed_dims, 1, 1),
                                                    float(layer_scale_init_value)))
         self.ffn_core = check_core(type(self).__name__, 'reference' if drop_rate else 'fast',
-                                   ('fast', 'reference'))
+                                   FFN_CORES)
 
     @property
     def takes_rope(self):
@@ -165,20 +175,45 @@ class NaLaBlock(nn.Module):
 
     def ffn_branch(self, x):
         """The ConvFFN branch ``ffn(norm2(x))`` of an NCHW map (see ``ffn_core``)."""
-        if self.ffn_core == 'fast':
+        core = check_core(type(self).__name__, self.ffn_core, FFN_CORES)
+        if core == 'fused':
+            from linattn_mm.ops.ffn.fused import conv_ffn_branch_fused
+            return conv_ffn_branch_fused(x.permute(0, 2, 3, 1), self.norm2.norm,
+                                         self.ffn).permute(0, 3, 1, 2)
+        if core == 'fast':
             return conv_ffn_branch(x.permute(0, 2, 3, 1), self.norm2.norm,
                                    self.ffn).permute(0, 3, 1, 2)
         return self.ffn(self.norm2(x))
 
+    def cpe(self, conv, x):
+        """``x + conv(x)``, a CPE step (see ``ffn_core``)."""
+        if self.ffn_core == 'fused':
+            from linattn_mm.ops.ffn.fused import conv_residual_fused
+            return conv_residual_fused(x, conv)
+        return x + conv(x)
+
     def forward(self, x, rope=None):
         if self.cpe1 is not None:
-            x = x + self.cpe1(x)
+            x = self.cpe(self.cpe1, x)
         a = self._mix(x, rope)
         x = self.drop_path.add(x, a, self.gamma_1 if self.layer_scale else None)
         if self.cpe2 is not None:
-            x = x + self.cpe2(x)
+            x = self.cpe(self.cpe2, x)
         f = self.ffn_branch(x)
         return self.drop_path.add(x, f, self.gamma_2 if self.layer_scale else None)
+
+
+def set_fused_blocks(model, fused):
+    """Put the NaLaFormer blocks of ``model`` on ``ffn_core='fused'`` (``fused`` True; blocks
+    with dropout keep their plain modules) or back from it to ``'fast'``; returns how many blocks
+    are on it."""
+    blocks = [m for m in model.modules() if isinstance(m, NaLaBlock)]
+    for m in blocks:
+        if fused and m.ffn_core == 'fast':
+            m.ffn_core = 'fused'
+        elif not fused and m.ffn_core == 'fused':
+            m.ffn_core = 'fast'
+    return sum(m.ffn_core == 'fused' for m in blocks)
 
 
 class NaLaStage(nn.Module):

@@ -181,16 +181,27 @@ class ConvFFNBranch(torch.autograd.Function):
         ddb = dz.sum((0, 1, 2)) if dw_b is not None and need[7] else None
         da = d_amap.permute(0, 2, 3, 1).add_(dz)
         del d_amap, dz, a
-        dpre = torch.ops.aten.gelu_backward(da, pre.to(dt), approximate=ctx.approximate)
+        dpre = [torch.ops.aten.gelu_backward(da, pre.to(dt), approximate=ctx.approximate)]
         del da
-        xf = _ln_input(x)  # one float32 copy of a half-precision x for both passes
-        n = _layer_norm(xf, ln_w, ln_b, ctx.eps)[0].reshape(-1, x.shape[-1])
-        dn, dw1, db1 = _linear_grads(dpre.reshape(-1, R), n, w1, need[4], need[5] and ctx.has_b1)
-        del dpre, n
-        dx, dlw, dlb = _ln_backward(ctx, dn.reshape(x.shape), xf, ln_w, ln_b, mean, rstd, 0)
-        del xf
-        return (_to(dx, x), _to(dlw, ln_w), _to(dlb, ln_b), None, _to(dw1, w1), _to(db1, w1),
-                _to(ddw, dw_w), _to(ddb, dw_w), _to(dw2, w2), _to(db2, w2), None)
+        dx, dlw, dlb, dw1, db1 = _conv_ffn_input_grads(ctx, x, ln_w, ln_b, mean, rstd, w1, dpre,
+                                                       need)
+        return (dx, dlw, dlb, None, dw1, db1, _to(ddw, dw_w), _to(ddb, dw_w), _to(dw2, w2),
+                _to(db2, w2), None)
+
+
+def _conv_ffn_input_grads(ctx, x, ln_w, ln_b, mean, rstd, w1, dpre, need):
+    """The ConvFFN's gradients from that of the ``fc1`` output, ``dpre`` a list holding it
+    (B, H, W, R; taken out, so that it is freed once used): of the input x, the LayerNorm's weight
+    and bias, and ``fc1``'s weight and bias, each in its dtype (the LayerNorm output recomputed
+    from x and its kept statistics)."""
+    dpre = dpre.pop()
+    xf = _ln_input(x)  # one float32 copy of a half-precision x for both passes
+    n = _layer_norm(xf, ln_w, ln_b, ctx.eps)[0].reshape(-1, x.shape[-1])
+    dn, dw1, db1 = _linear_grads(dpre.reshape(-1, dpre.shape[-1]), n, w1, need[4],
+                                 need[5] and ctx.has_b1)
+    del dpre, n
+    dx, dlw, dlb = _ln_backward(ctx, dn.reshape(x.shape), xf, ln_w, ln_b, mean, rstd, 0)
+    return _to(dx, x), _to(dlw, ln_w), _to(dlb, ln_b), _to(dw1, w1), _to(db1, w1)
 
 
 def _conv_sum(a, dw_w, dw_b, pad):

@@ -1,0 +1,304 @@
+"""Fused training forms of NaLaFormer's depth-wise conv sums (CUDA; a block's
+``ffn_core='fused'``): the ConvFFN's ``h + dwconv(h)`` and the CPE's ``x + cpe(x)``, each one
+Triton kernel forward and one backward.
+
+A NaLaFormer block adds a depth-wise 3×3 conv to its own input three times: the two CPEs on the
+C-wide map and the ConvFFN's conv on the 4C-wide hidden map. In torch each sum is a conv, then an
+add, and under autocast a cast of the input first; backward the same passes again with the conv's
+input gradient and the gradient's add. On a GPU these passes are bytes moved and nothing else
+(docs/benchmarks.md, "Operations and memory per training step"). Here each sum is one kernel that
+reads its input once (the taps of the 3×3 window come from the cache) and writes the sum once:
+
+* **Forward**: ``z = x + round(Σ_ij w_ij · round(x)[y+i-1, x+j-1] + b)``, where ``round`` is the
+  cast to the dtype autocast runs the conv in (none in float32), so that the result is the one of
+  the plain modules up to the order of the conv's float32 sums.
+* **Backward**: the conv's input gradient is the same window sum with the kernel flipped,
+  ``dx = g + round(Σ_ij w_(K-1-i)(K-1-j) · round(g)[y+i-1, x+j-1])``; in the ConvFFN it is then
+  multiplied by ``gelu'(pre)`` (the GELU before the conv; exact ``erf`` form) in the same kernel,
+  which so writes the gradient of the ``fc1`` output. The conv's weight gradient is cuDNN's
+  (``convolution_backward`` with only its weight output), its bias gradient a sum.
+
+What is kept for backward does not change: the ConvFFN keeps its input, the LayerNorm statistics
+and the ``fc1`` output (:class:`~linattn_mm.ops.ffn.autograd.ConvFFNBranch`, whose LayerNorm and
+products these Functions share); the CPE keeps its input (the plain form under autocast keeps a
+half-precision copy of it, made by a cast). On CPU tensors the kernels run in Triton's
+interpreter (``TRITON_INTERPRET=1``), which is how the tests check them without a GPU; on
+``meta`` tensors each launch is one operation that reads its inputs and writes its output, so the
+counters of :mod:`linattn_mm.utils` count them.
+"""
+import os
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from ..common import autocast_dtype, promote_types
+from ..common import in_dtype_of as _to
+from ..dispatch import FUSED_WARPS, TRITON_DTYPES, launch_fitted, triton_available, triton_module
+from .autograd import _conv_ffn_input_grads, _layer_norm, _linear_grads
+
+triton = triton_module()
+if triton is not None:
+    import triton.language as tl
+
+__all__ = ['conv_sum', 'ConvFFNBranchFused', 'ConvResidualFused', 'conv_ffn_branch_fused',
+           'conv_residual_fused', 'check_fused_conv']
+
+#: ``round`` of the module docstring: the dtype code the kernels cast to and back (0: none)
+_ROUNDING = {torch.bfloat16: 1, torch.float16: 2}
+#: elements of one program's tile (channels by columns); under Triton's interpreter, at most
+_TILE = 1024
+_INTERPRETED_TILE = 1 << 15
+
+if triton is not None:
+
+    @triton.jit
+    def _round(x, ROUND: tl.constexpr):
+        """Float32 ``x`` rounded to bfloat16 (ROUND 1) or float16 (2), to nearest even, back in
+        float32; bfloat16 on the bits (Triton's interpreter casts to it by truncation)."""
+        if ROUND == 1:
+            u = x.to(tl.uint32, bitcast=True)
+            u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+            x = u.to(tl.float32, bitcast=True)
+        elif ROUND == 2:
+            x = x.to(tl.float16).to(tl.float32)
+        return x
+
+    @triton.jit
+    def _conv_sum_kernel(X, Wt, Bias, PRE, Z, XC, H, Wd, C,
+                         s_xb, s_xh, s_xw, s_xc, s_pb, s_ph, s_pw, s_pc, s_zb, s_zh, s_zw, s_zc,
+                         K: tl.constexpr, FLIP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         COPY: tl.constexpr,
+                         GELU_GRAD: tl.constexpr, ROUND: tl.constexpr, ROUND_OUT: tl.constexpr,
+                         BW: tl.constexpr, BC: tl.constexpr):
+        row = tl.program_id(0)  # image b, row y
+        b = (row // H).to(tl.int64)
+        y = row % H
+        rw = tl.program_id(1) * BW + tl.arange(0, BW)
+        rc = tl.program_id(2) * BC + tl.arange(0, BC)
+        cm = rc < C
+        xb = X + b * s_xb
+        acc = tl.zeros((BW, BC), dtype=tl.float32)
+        for i in tl.static_range(K):
+            yy = y + (i - K // 2)
+            for j in tl.static_range(K):
+                xx = rw + (j - K // 2)
+                m = ((xx >= 0) & (xx < Wd))[:, None] & cm[None, :] & (yy >= 0) & (yy < H)
+                t = tl.load(xb + yy * s_xh + xx[:, None] * s_xw + rc[None, :] * s_xc, mask=m,
+                            other=0.0).to(tl.float32)
+                if FLIP:
+                    tap = (K - 1 - i) * K + (K - 1 - j)
+                else:
+                    tap = i * K + j
+                w = tl.load(Wt + rc * (K * K) + tap, mask=cm, other=0.0).to(tl.float32)
+                acc += _round(t, ROUND) * w[None, :]
+        if HAS_BIAS:
+            acc += tl.load(Bias + rc, mask=cm, other=0.0).to(tl.float32)[None, :]
+        acc = _round(acc, ROUND)
+        mo = (rw < Wd)[:, None] & cm[None, :]
+        center = tl.load(xb + y * s_xh + rw[:, None] * s_xw + rc[None, :] * s_xc, mask=mo,
+                         other=0.0).to(tl.float32)
+        out = b * s_zb + y * s_zh + rw[:, None] * s_zw + rc[None, :] * s_zc
+        if COPY:  # the conv's input as autocast casts it (the weight gradient reads it)
+            tl.store(XC + out, _round(center, ROUND).to(XC.dtype.element_ty), mask=mo)
+        z = center + acc
+        if GELU_GRAD:  # z * gelu'(pre), gelu'(p) = Phi(p) + p phi(p)
+            z = _round(z, ROUND)
+            p = tl.load(PRE + b * s_pb + y * s_ph + rw[:, None] * s_pw + rc[None, :] * s_pc,
+                        mask=mo, other=0.0).to(tl.float32)
+            z = z * (0.5 * (1.0 + tl.math.erf(p * 0.7071067811865476))
+                     + p * tl.exp(-0.5 * p * p) * 0.3989422804014327)
+        tl.store(Z + out, _round(z, ROUND_OUT).to(Z.dtype.element_ty), mask=mo)
+
+
+def _tile(x):
+    """(columns, channels) of a program's tile: the map's contiguous dim the longer one. Triton's
+    interpreter runs a program's tile as numpy arrays and each program in Python: there the tiles
+    are up to :data:`_INTERPRETED_TILE` elements, so that a map takes few programs."""
+    channels = min(64, max(16, triton.next_power_of_2(x.shape[-1])))
+    if x.stride(-1) != 1:  # channels-first: the columns are contiguous
+        channels = 16
+    if os.environ.get('TRITON_INTERPRET') == '1':
+        channels = min(256, max(16, triton.next_power_of_2(x.shape[-1])))
+        return max(16, min(triton.next_power_of_2(x.shape[2]),
+                           _INTERPRETED_TILE // channels)), channels
+    return _TILE // channels, channels
+
+
+def _sum_outputs(x, out_dtype, copy):
+    # x's strides (NHWC, or a view of NCHW); the copy in the conv's dtype, or nothing
+    conv_dtype = x.dtype if copy is None else copy
+    return (torch.empty_like(x, dtype=out_dtype),
+            x.new_empty(0) if copy is None else torch.empty_like(x, dtype=conv_dtype))
+
+
+@torch.library.custom_op('linattn_mm::conv_sum', mutates_args=())
+def _conv_sum_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 pre: Optional[torch.Tensor], flip: bool, rounding: int, out_dtype: torch.dtype,
+                 copy: Optional[torch.dtype]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``x + dwconv(x)`` of a (B, H, W, C) map (any strides; the result has x's) with the
+    depth-wise kernel ``weight`` (C, 1, K, K) (flipped: the conv's input gradient) and ``bias``;
+    times ``gelu'(pre)`` when ``pre`` is given; ``rounding``: the code of :data:`_ROUNDING`; with
+    ``copy`` (a dtype) also x rounded to it, else an empty tensor."""
+    B, H, W, C = x.shape
+    z, xc = _sum_outputs(x, out_dtype, copy)
+    bw, bc = _tile(x)
+    k = weight.shape[-1]
+    pre_t = x if pre is None else pre
+    launch_fitted(_conv_sum_kernel, (B * H, triton.cdiv(W, bw), triton.cdiv(C, bc)),
+        x, weight, weight if bias is None else bias, pre_t, z, z if copy is None else xc, H, W,
+        C, *x.stride(), *pre_t.stride(), *z.stride(), num_warps=FUSED_WARPS, K=k, FLIP=flip,
+        HAS_BIAS=bias is not None, COPY=copy is not None, GELU_GRAD=pre is not None,
+        ROUND=rounding, ROUND_OUT=_ROUNDING.get(out_dtype, 0), BW=bw, BC=bc)
+    return z, xc
+
+
+@_conv_sum_op.register_fake
+def _(x, weight, bias, pre, flip, rounding, out_dtype, copy):
+    return _sum_outputs(x, out_dtype, copy)
+
+
+def conv_sum(x, weight, bias=None, pre=None, flip=False, conv_dtype=None, out_dtype=None,
+             copy=False):
+    """``x + dwconv(x)`` of a (B, H, W, C) map ``x`` (module docstring): the depth-wise ``weight``
+    (C, 1, K, K), odd K, same padding, and ``bias`` (C) or None, with the conv run as in
+    ``conv_dtype`` (its input, weights and output in that dtype; default x's), the result in
+    ``out_dtype`` (default x's) with x's strides. ``flip``: the kernel flipped (the conv's input
+    gradient); ``pre``: the result times ``gelu'(pre)`` (a map of x's shape). ``copy``: return
+    ``(result, x in conv_dtype)``, the copy written by the same kernel where the dtypes differ
+    (else x itself)."""
+    conv_dtype = conv_dtype or x.dtype
+    w = weight.to(conv_dtype).contiguous()
+    b = None if bias is None else bias.to(conv_dtype).contiguous()
+    write_copy = copy and conv_dtype != x.dtype
+    z, xc = torch.ops.linattn_mm.conv_sum(x, w, b, pre, flip, _ROUNDING.get(conv_dtype, 0),
+                                          out_dtype or x.dtype, conv_dtype if write_copy else None)
+    if copy:
+        return z, xc if write_copy else x
+    return z
+
+
+def check_fused_conv(owner, conv, x=None):
+    """A ``ValueError`` naming ``owner`` unless ``conv`` is a depth-wise conv these kernels run
+    (odd square kernel, same padding, stride and dilation 1, one group per channel, zeros
+    padding) and ``x`` (if given) a tensor they read: float32, bfloat16 or float16, on CUDA,
+    ``meta``, or any device under Triton's interpreter."""
+    k = conv.kernel_size
+    c = conv.in_channels
+    if not (k[0] == k[1] and k[0] % 2 == 1 and tuple(conv.padding) == (k[0] // 2,) * 2
+            and tuple(conv.stride) == (1, 1) and tuple(conv.dilation) == (1, 1)
+            and conv.groups == c == conv.out_channels and conv.padding_mode == 'zeros'):
+        raise ValueError(f'{owner}: the fused conv sums take a depth-wise conv with an odd square '
+                         f'kernel, same padding, stride 1 and dilation 1; got {conv}')
+    if x is None:
+        return
+    if triton is None or (x.device.type != 'meta' and not triton_available(x.device)):
+        raise ValueError(f"{owner}: the fused kernels run on CUDA with Triton installed (or count "
+                         f"on meta); the input is on {x.device}: use ffn_core='fast' there")
+    if x.dtype not in TRITON_DTYPES:
+        raise ValueError(f'{owner}: the fused kernels read float32, bfloat16 or float16; the '
+                         f"input is {x.dtype}: use ffn_core='fast' for it")
+
+
+class ConvFFNBranchFused(torch.autograd.Function):
+    """:class:`~linattn_mm.ops.ffn.autograd.ConvFFNBranch` (NaLaFormer's ConvFFN branch on a
+    (B, H, W, C) map, exact GELU) with its conv sum ``h + dwconv(h)`` and, backward, the sum's and
+    the GELU's gradients as the kernels of the module docstring; the same arguments (but the GELU's
+    form), values, gradients and kept tensors."""
+
+    @staticmethod
+    def forward(ctx, x, ln_w, ln_b, eps, w1, b1, dw_w, dw_b, w2, b2):
+        n, mean, rstd = _layer_norm(x, ln_w, ln_b, eps)
+        pre = F.linear(n, w1, b1)  # (B, H, W, rC), in autocast's dtype under autocast
+        del n
+        z = conv_sum(F.gelu(pre), dw_w, dw_b)
+        ctx.eps, ctx.has_b1, ctx.has_b2 = eps, b1 is not None, b2 is not None
+        ctx.save_for_backward(x, ln_w, ln_b, mean, rstd, w1, dw_w, dw_b, w2, pre)
+        return F.linear(z, w2, b2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, ln_w, ln_b, mean, rstd, w1, dw_w, dw_b, w2, pre = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        B, H, W, R = pre.shape
+        dt = grad.dtype
+        a = F.gelu(pre).to(dt)
+        dz, dw2, db2 = _linear_grads(grad.reshape(-1, grad.shape[-1]),
+                                     conv_sum(a, dw_w, dw_b).reshape(-1, R), w2, need[8],
+                                     need[9] and ctx.has_b2)
+        dz = dz.reshape(B, H, W, R)
+        ddw = ddb = None
+        if need[6]:
+            k = dw_w.shape[-1]
+            ddw = torch.ops.aten.convolution_backward(
+                dz.permute(0, 3, 1, 2), a.permute(0, 3, 1, 2), dw_w.to(dt), None, [1, 1],
+                [k // 2, k // 2], [1, 1], False, [0, 0], R, [False, True, False])[1]
+        del a
+        if dw_b is not None and need[7]:
+            ddb = dz.sum((0, 1, 2))
+        dpre = [conv_sum(dz, dw_w, None, pre=pre, flip=True)]
+        del dz
+        dx, dlw, dlb, dw1, db1 = _conv_ffn_input_grads(ctx, x, ln_w, ln_b, mean, rstd, w1, dpre,
+                                                       need)
+        return (dx, dlw, dlb, None, dw1, db1, _to(ddw, dw_w), _to(ddb, dw_w), _to(dw2, w2),
+                _to(db2, w2))
+
+
+class ConvResidualFused(torch.autograd.Function):
+    """``x + conv(x)`` of an NCHW map ``x`` with a depth-wise conv (``weight`` (C, 1, K, K),
+    ``bias`` or None; NaLaFormer's CPE) as the kernels of the module docstring, the conv in the
+    dtype autocast runs it in (``conv_dtype``) and the sum in x's (as ``x + cpe(x)`` promotes).
+    Keeps what the plain form keeps: x in ``conv_dtype`` (under autocast the half-precision copy,
+    written by the forward kernel); the backward kernel likewise writes the result's gradient in
+    ``conv_dtype`` for the weight gradient, which so comes from the same inputs as the plain
+    form's."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, conv_dtype):
+        out, xc = conv_sum(x.permute(0, 2, 3, 1), weight, bias, conv_dtype=conv_dtype,
+                           out_dtype=promote_types(x.dtype, conv_dtype), copy=True)
+        ctx.conv_dtype, ctx.x_dtype = conv_dtype, x.dtype
+        ctx.save_for_backward(xc, weight, bias)
+        return out.permute(0, 3, 1, 2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xc, weight, bias = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        g = grad.permute(0, 2, 3, 1)
+        dx = dw = db = None
+        if need[0]:
+            dx, gc = conv_sum(g, weight, None, flip=True, conv_dtype=ctx.conv_dtype,
+                              out_dtype=ctx.x_dtype, copy=True)
+            dx = dx.permute(0, 3, 1, 2)
+        else:
+            gc = g.to(ctx.conv_dtype)
+        if need[1]:
+            k = weight.shape[-1]
+            dw = torch.ops.aten.convolution_backward(
+                gc.permute(0, 3, 1, 2), xc.permute(0, 3, 1, 2), weight.to(ctx.conv_dtype), None,
+                [1, 1], [k // 2, k // 2], [1, 1], False, [0, 0], xc.shape[-1],
+                [False, True, False])[1].to(weight.dtype)
+        if bias is not None and need[2]:
+            db = gc.sum((0, 1, 2), dtype=torch.float32).to(bias.dtype)
+        return dx, dw, db, None
+
+
+def conv_ffn_branch_fused(x, norm, ffn):
+    """:class:`ConvFFNBranchFused` on a (B, H, W, C) map with the parameters of a
+    ``nn.LayerNorm`` and NaLaFormer's ``ConvFFN``."""
+    check_fused_conv('ConvFFN', ffn.dwconv, x)
+    if ffn.act.approximate != 'none':
+        raise ValueError("ConvFFN: the fused kernels take the exact GELU (approximate='none'), "
+                         f"got approximate={ffn.act.approximate!r}")
+    return ConvFFNBranchFused.apply(x, norm.weight, norm.bias, norm.eps, ffn.fc1.weight,
+                                    ffn.fc1.bias, ffn.dwconv.weight, ffn.dwconv.bias,
+                                    ffn.fc2.weight, ffn.fc2.bias)
+
+
+def conv_residual_fused(x, conv):
+    """``x + conv(x)`` of an NCHW map through :class:`ConvResidualFused` (``conv`` a depth-wise
+    ``nn.Conv2d`` with same padding), the conv in autocast's dtype when autocast is on."""
+    check_fused_conv('CPE', conv, x)
+    return ConvResidualFused.apply(x, conv.weight, conv.bias,
+                                   autocast_dtype(x.device) or x.dtype)
