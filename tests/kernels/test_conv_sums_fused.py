@@ -44,6 +44,9 @@ def test_the_kernel_rounds_as_autocast_runs_the_conv(interpreted):
         assert interpreted[f'conv_sum {name}: largest difference (ulps)'] <= 1.0
         assert interpreted[f'conv_sum {name}: elements off its rounding'] < 0.01
         assert interpreted[f'conv_sum {name}: copy differences'] == 0
+    # NaNs (three in the map, each in up to nine windows) stay NaN where the plain form has them
+    assert interpreted['conv_sum NaN: places that differ from the plain form'] == 0
+    assert interpreted['conv_sum NaN: NaNs in the sum'] >= 3
 
 
 @pytest.mark.slow  # the interpreter: about 35 s for all
@@ -162,6 +165,18 @@ def test_bad_convs_devices_and_dtypes_are_named(monkeypatch):
     ffn.act.approximate = 'tanh'
     with pytest.raises(ValueError, match="exact GELU.*approximate='tanh'"):
         ff.conv_ffn_branch_fused(x, norm, ffn)
+    ff.check_fused_conv('CPE', torch.nn.Conv2d(8, 8, 3, 1, 'same', groups=8))  # taken
+    with pytest.raises(ValueError, match="padding_mode='reflect'"):
+        ff.check_fused_conv('CPE', torch.nn.Conv2d(8, 8, 3, 1, 1, groups=8,
+                                                   padding_mode='reflect'))
+    # the switch checks every conv before it switches any block
+    net = NaLaFormer(arch=dict(embed_dims=[16, 32, 32, 32], depths=[1, 1, 1, 1],
+                               num_heads=[1, 2, 2, 2], mlp_ratios=[2, 2, 2, 2]))
+    net.layers[2].blocks[0].cpe2 = torch.nn.Conv2d(32, 32, 3, 1, 1, groups=32,
+                                                   padding_mode='circular')
+    with pytest.raises(ValueError, match=r'layers\.2\.blocks\.0\.cpe2: the fused conv sums'):
+        set_attention_core(net, 'fused')
+    assert all(b.ffn_core == 'fast' for s in net.layers for b in s.blocks)
     blk = NaLaBlock(8, 2, dict(type='NormAwareLinearAttention'))
     blk.ffn_core = 'triton'
     with pytest.raises(ValueError, match="NaLaBlock: core must be one of"):

@@ -400,6 +400,20 @@ def run_conv_sums(res):
             diff == 0, 0., diff / (want.double().abs() * 2 ** -8)).max().item()
         res[f'conv_sum {name}: copy differences'] = (copy_ != xb).sum().item()
 
+    # NaN stays NaN through the bf16 rounding (torch's cast keeps it; the rounding on the bits
+    # would make the quiet NaN 0x7fffffff -0.0): a float32 map with NaNs, the conv in bf16
+    x = torch.randn(1, 5, 6, 16, generator=g)
+    x.view(-1)[[3, 40, 77]] = torch.tensor([0x7FFFFFFF, 0x7F800001, -1], dtype=torch.int32).view(
+        torch.float32)
+    z, copy_ = conv_sum(x, w[:16], b[:16], conv_dtype=torch.bfloat16, out_dtype=torch.float32,
+                        copy=True)
+    want = x + torch.nn.functional.conv2d(
+        x.bfloat16().permute(0, 3, 1, 2), w[:16].bfloat16(), b[:16].bfloat16(), 1, 1, 1,
+        16).permute(0, 2, 3, 1)
+    res['conv_sum NaN: places that differ from the plain form'] = (
+        z.isnan() != want.isnan()).sum().item() + (copy_.isnan() != x.isnan()).sum().item()
+    res['conv_sum NaN: NaNs in the sum'] = z.isnan().sum().item()
+
     def step(fn, leaves, grad):
         out = fn(*leaves)
         return [out, *torch.autograd.grad(out, [t for t in leaves if t.requires_grad], grad)]

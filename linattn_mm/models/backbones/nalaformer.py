@@ -134,7 +134,8 @@ class NaLaBlock(nn.Module):
     ``ffn_core='fused'`` (CUDA, for training; set by
     :func:`linattn_mm.cli.set_attention_core` with ``'fused'``) runs the ConvFFN's conv sum
     ``h + dwconv(h)`` and the CPEs' ``x + cpe(x)`` as Triton kernels
-    (:mod:`linattn_mm.ops.ffn.fused`): the same values and gradients, fewer passes over memory.
+    (:mod:`linattn_mm.ops.ffn.fused`): the same values and gradients (under autocast the CPEs'
+    bias gradients summed in float32), fewer passes over memory.
     """
 
     def __init__(self, embed_dims, num_heads, attn_cfg, mlp_ratio=4., drop_path=0.,
@@ -206,14 +207,21 @@ class NaLaBlock(nn.Module):
 def set_fused_blocks(model, fused):
     """Put the NaLaFormer blocks of ``model`` on ``ffn_core='fused'`` (``fused`` True; blocks
     with dropout keep their plain modules) or back from it to ``'fast'``; returns how many blocks
-    are on it."""
-    blocks = [m for m in model.modules() if isinstance(m, NaLaBlock)]
-    for m in blocks:
+    are on it. A ``ValueError`` naming a conv the fused kernels do not take, before any block is
+    switched."""
+    blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, NaLaBlock)]
+    if fused:
+        from linattn_mm.ops.ffn.fused import check_fused_conv
+        for name, m in blocks:
+            for part, conv in (('cpe1', m.cpe1), ('cpe2', m.cpe2), ('ffn.dwconv', m.ffn.dwconv)):
+                if conv is not None and m.ffn_core == 'fast':
+                    check_fused_conv(f'{name}.{part}', conv)
+    for _, m in blocks:
         if fused and m.ffn_core == 'fast':
             m.ffn_core = 'fused'
         elif not fused and m.ffn_core == 'fused':
             m.ffn_core = 'fast'
-    return sum(m.ffn_core == 'fused' for m in blocks)
+    return sum(m.ffn_core == 'fused' for _, m in blocks)
 
 
 class NaLaStage(nn.Module):

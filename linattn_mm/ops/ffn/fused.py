@@ -55,11 +55,12 @@ if triton is not None:
     @triton.jit
     def _round(x, ROUND: tl.constexpr):
         """Float32 ``x`` rounded to bfloat16 (ROUND 1) or float16 (2), to nearest even, back in
-        float32; bfloat16 on the bits (Triton's interpreter casts to it by truncation)."""
+        float32; bfloat16 on the bits (Triton's interpreter casts to it by truncation), a NaN
+        kept a NaN (quiet, so that the truncating cast keeps it one too)."""
         if ROUND == 1:
             u = x.to(tl.uint32, bitcast=True)
             u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
-            x = u.to(tl.float32, bitcast=True)
+            x = tl.where(x != x, x + x, u.to(tl.float32, bitcast=True))
         elif ROUND == 2:
             x = x.to(tl.float16).to(tl.float32)
         return x
@@ -185,11 +186,13 @@ def check_fused_conv(owner, conv, x=None):
     ``meta``, or any device under Triton's interpreter."""
     k = conv.kernel_size
     c = conv.in_channels
-    if not (k[0] == k[1] and k[0] % 2 == 1 and tuple(conv.padding) == (k[0] // 2,) * 2
-            and tuple(conv.stride) == (1, 1) and tuple(conv.dilation) == (1, 1)
-            and conv.groups == c == conv.out_channels and conv.padding_mode == 'zeros'):
+    same = conv.padding == 'same' or tuple(conv.padding) == (k[0] // 2,) * 2
+    if not (k[0] == k[1] and k[0] % 2 == 1 and same and tuple(conv.stride) == (1, 1)
+            and tuple(conv.dilation) == (1, 1) and conv.groups == c == conv.out_channels
+            and conv.padding_mode == 'zeros'):
         raise ValueError(f'{owner}: the fused conv sums take a depth-wise conv with an odd square '
-                         f'kernel, same padding, stride 1 and dilation 1; got {conv}')
+                         f"kernel, same zero padding (padding_mode='zeros'), stride 1 and "
+                         f'dilation 1; got {conv} (padding_mode={conv.padding_mode!r})')
     if x is None:
         return
     if triton is None or (x.device.type != 'meta' and not triton_available(x.device)):
@@ -217,6 +220,7 @@ class ConvFFNBranchFused(torch.autograd.Function):
         return F.linear(z, w2, b2)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         x, ln_w, ln_b, mean, rstd, w1, dw_w, dw_b, w2, pre = ctx.saved_tensors
         need = ctx.needs_input_grad
@@ -248,30 +252,37 @@ class ConvResidualFused(torch.autograd.Function):
     """``x + conv(x)`` of an NCHW map ``x`` with a depth-wise conv (``weight`` (C, 1, K, K),
     ``bias`` or None; NaLaFormer's CPE) as the kernels of the module docstring, the conv in the
     dtype autocast runs it in (``conv_dtype``) and the sum in x's (as ``x + cpe(x)`` promotes).
-    Keeps what the plain form keeps: x in ``conv_dtype`` (under autocast the half-precision copy,
-    written by the forward kernel); the backward kernel likewise writes the result's gradient in
-    ``conv_dtype`` for the weight gradient, which so comes from the same inputs as the plain
-    form's."""
+    Keeps what the plain form keeps: x in ``conv_dtype`` when the weight needs a gradient (under
+    autocast the half-precision copy, written by the forward kernel); the backward kernel likewise
+    writes the result's gradient in ``conv_dtype`` for the weight gradient, which so comes from
+    the same inputs as the plain form's. The bias gradient is the sum of that gradient in float32
+    (the plain form's under autocast is rounded to the half precision once more: about a unit
+    of it apart)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, conv_dtype):
-        out, xc = conv_sum(x.permute(0, 2, 3, 1), weight, bias, conv_dtype=conv_dtype,
-                           out_dtype=promote_types(x.dtype, conv_dtype), copy=True)
+        keep = ctx.needs_input_grad[1]  # x for the weight gradient
+        out = conv_sum(x.permute(0, 2, 3, 1), weight, bias, conv_dtype=conv_dtype,
+                       out_dtype=promote_types(x.dtype, conv_dtype), copy=keep)
+        out, xc = out if keep else (out, None)
         ctx.conv_dtype, ctx.x_dtype = conv_dtype, x.dtype
         ctx.save_for_backward(xc, weight, bias)
         return out.permute(0, 3, 1, 2)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         xc, weight, bias = ctx.saved_tensors
         need = ctx.needs_input_grad
         g = grad.permute(0, 2, 3, 1)
         dx = dw = db = None
+        gc = g  # the gradient in conv_dtype, where the weight's needs it
         if need[0]:
-            dx, gc = conv_sum(g, weight, None, flip=True, conv_dtype=ctx.conv_dtype,
-                              out_dtype=ctx.x_dtype, copy=True)
+            dx = conv_sum(g, weight, None, flip=True, conv_dtype=ctx.conv_dtype,
+                          out_dtype=ctx.x_dtype, copy=need[1])
+            dx, gc = dx if need[1] else (dx, g)
             dx = dx.permute(0, 3, 1, 2)
-        else:
+        elif need[1]:
             gc = g.to(ctx.conv_dtype)
         if need[1]:
             k = weight.shape[-1]
