@@ -11,6 +11,7 @@ import torch
 import linattn_mm.ops.ffn.fused as ff
 from linattn_mm.cli import set_attention_core
 from linattn_mm.models.backbones.nalaformer import ConvFFN, NaLaBlock, NaLaFormer
+from linattn_mm.ops.dispatch import fused_chunks
 from linattn_mm.utils import PeakMemoryCounter, TrafficCounter, meta_autocast
 from harness import triton_interpret_checks
 
@@ -60,6 +61,19 @@ def test_convffn_and_cpe_gradients_equal_plain_autograd(interpreted):
 
 
 @pytest.mark.slow  # the interpreter: about 35 s for all
+def test_the_residual_sums_backward_equals_the_formula(interpreted):
+    # x + b * f with a layer scale (1, C, 1, 1) or a per-image factor (B, C, 1, 1), b
+    # channels-last or NCHW, one chunk of tokens or many: the output and the gradients of x, b
+    # and f against float64 (b's in bf16 within its rounding); a block with stochastic depth
+    # (the same masks) as its default form
+    cases = {k: v for k, v in interpreted.items() if k.startswith('ScaledAddFused ')}
+    assert len(cases) == 3
+    for name, err in cases.items():
+        assert err < (2 ** -8 if 'bf16' in name else 1e-5), (name, err)
+    assert interpreted['drop path block fp32: fused against default'] < 1e-5
+
+
+@pytest.mark.slow  # the interpreter: about 35 s for all
 def test_a_block_under_bf16_autocast_computes_what_its_default_form_does(interpreted):
     # a NaLaFormer block under CPU autocast: the fused conv sums round where the plain conv and
     # add do; the CPEs' weight and bias gradients are summed in float32 (the plain form's come
@@ -91,16 +105,22 @@ def _block_step(blk, x):
     return tc, mem.peak_bytes
 
 
-def test_a_fused_block_step_on_meta_is_seven_conv_sums_with_their_traffic():
+def test_a_fused_block_step_on_meta_is_its_kernels_with_their_traffic():
     # a NaLaFormer block's training step under bf16 autocast on meta: the CPEs (forward: the
     # float32 map in, its sum out and its bf16 copy; backward: the float32 gradient in, the
     # input's gradient out and the gradient's bf16 copy) and the ConvFFN's sum (forward; backward
-    # again, then the flipped sum times gelu'), each one operation
+    # again, then the flipped sum times gelu'), each one operation; and the backward of the two
+    # residual sums with their layer scale (the float32 gradient and the bf16 branch in, the
+    # branch's gradient and the sums for the scale out)
     B, C, H, W, R = 2, 16, 6, 10, 64
     blk = NaLaBlock(C, 2, dict(type='NormAwareLinearAttention'), mlp_ratio=4).to('meta').train()
     blk.ffn_core = 'fused'
     x = torch.empty(B, C, H, W, device='meta', requires_grad=True)
     tc, _ = _block_step(blk, x)
+    splits = fused_chunks(H * W, B, 64, torch.device('meta'))[0]  # C = 16: one channel tile
+    residual = 4 * B * C * H * W + 2 * B * C * H * W + 4 * C + 2 * B * C * H * W \
+        + 4 * B * splits * C
+    assert [r[1] for r in tc.records if r[0] == 'scaled_add_grads'] == [residual] * 2
     sums = [r[1] for r in tc.records if r[0] == 'conv_sum']
     c_map, r_map = B * C * H * W, B * H * W * R
     cpe = 4 * c_map + 2 * (9 * C + C) + 4 * c_map + 2 * c_map  # x, weight, bias -> sum, copy
@@ -113,7 +133,7 @@ def test_a_fused_block_step_on_meta_is_seven_conv_sums_with_their_traffic():
 
 def test_a_nalaformer_step_moves_fewer_bytes_on_the_fused_blocks():
     # NaLaFormer-T's stage-1 block at 800 x 1344 (batch 2, bf16 autocast, meta; its mixer on the
-    # fused core): 10 % fewer bytes than the default form (8.95 against 9.94 GB), no more memory
+    # fused core): 13 % fewer bytes than the default form (8.67 against 9.94 GB), no more memory
     blk = NaLaBlock(64, 1, dict(type='NormAwareLinearAttention', core='fused'),
                     mlp_ratio=4).to('meta').train()
     x = torch.empty(2, 64, 200, 336, device='meta', requires_grad=True)
@@ -123,7 +143,7 @@ def test_a_nalaformer_step_moves_fewer_bytes_on_the_fused_blocks():
         tc, peak = _block_step(blk, x)
         moved[core] = (len(tc.records), tc.bytes_moved, peak)
     assert moved['fused'][0] < moved['fast'][0], moved
-    assert moved['fused'][1] < 0.92 * moved['fast'][1], moved
+    assert moved['fused'][1] < 0.9 * moved['fast'][1], moved
     assert moved['fused'][2] <= moved['fast'][2], moved
 
 

@@ -230,17 +230,19 @@ def test_the_fused_cores_elementwise_kernels_are_small(builds, arch):
 #: a block's conv sums, forward and backward: the ConvFFN's sum, then in its backward the sum
 #: again and the flipped sum times gelu'; the CPE's sum (with its half-precision copy under
 #: autocast) and the flipped sum
-CONV_SUM_LAUNCHES = {'convffn': ['_conv_sum_kernel'] * 3, 'cpe': ['_conv_sum_kernel'] * 2}
+CONV_SUM_LAUNCHES = {'convffn': ['_conv_sum_kernel'] * 3, 'cpe': ['_conv_sum_kernel'] * 2,
+                     'residual': ['_scaled_add_grads_kernel']}
 
 
 @pytest.mark.parametrize('arch', sorted(GPUS))
 def test_the_fused_conv_sums_are_small(builds, arch):
-    # NaLaFormer blocks' conv sums (ops.ffn.fused) hold one tile of the map: three pipeline
-    # stages with at most 4 KB of shared memory on every GPU, and on Hopper no spills (float32
-    # at width 64; the conv in bf16 at width 256, channels-last and NCHW)
+    # NaLaFormer blocks' conv sums and residual sums' backward (ops.ffn.fused) hold one tile of
+    # the map: three pipeline stages with at most 4 KB of shared memory on every GPU, and on
+    # Hopper no spills (float32 at width 64; the conv in bf16 at width 256, channels-last and
+    # NCHW; the residual's branch channels-last)
     cases = {case: launches for case, launches in _cases(builds[arch]).items()
-             if case.startswith(('fused convffn ', 'fused cpe '))}
-    assert set(cases) == {f'fused {kind} {width}' for kind in ('convffn', 'cpe')
+             if case.startswith(('fused convffn ', 'fused cpe ', 'fused residual '))}
+    assert set(cases) == {f'fused {kind} {width}' for kind in ('convffn', 'cpe', 'residual')
                           for width in ('c64 fp32', 'c256 bf16')}
     for case, launches in cases.items():
         assert [launch[0] for launch in launches] == CONV_SUM_LAUNCHES[case.split()[1]], case

@@ -10,7 +10,7 @@ pipeline stages to ``LIMIT`` as on that GPU. Each core runs forward and backward
 several head dims, dtypes and options, two of them with the products on the tensor cores
 (``tf32x3``; nothing is computed: the outputs are empty buffers), and so do the fused cores
 (cases ``fused ...``: their elementwise kernels), and the conv sums of NaLaFormer's blocks
-(cases ``fused convffn ...``, ``fused cpe ...``). Prints
+(cases ``fused convffn ...``, ``fused cpe ...``, ``fused residual ...``). Prints
 a JSON list, one entry per kernel launched: ``[case, kernel, stages, shared bytes, spill stores
 in bytes or None, compile seconds]``, or ``[case, 'error', message]`` for a case that raised. The
 seconds are those of Triton's compiler and ``ptxas`` for that launch, the stage fitting's
@@ -117,7 +117,7 @@ def main():
     dispatch._stage_limit = lambda device: LIMIT
     from linattn_mm.ops.nala.triton import nala_attention_triton
     from linattn_mm.models.backbones.nalaformer import ConvFFN
-    from linattn_mm.ops.ffn.fused import ConvResidualFused, conv_ffn_branch_fused
+    from linattn_mm.ops.ffn.fused import ConvResidualFused, ScaledAddFused, conv_ffn_branch_fused
     from linattn_mm.ops.nala.fused import nala_attention_fused
     from linattn_mm.ops.pola.fused import polarity_attention_fused
     from linattn_mm.ops.pola.triton import polarity_attention_triton
@@ -158,6 +158,11 @@ def main():
         x = torch.randn(2, width, 9, 13, requires_grad=True)
         return ConvResidualFused.apply(x, conv.weight, conv.bias, dtype)
 
+    def residual(width, dtype, _):  # a block's residual sum with its layer scale (backward)
+        x = torch.randn(2, width, 9, 13, requires_grad=True)
+        b = torch.randn(2, 9, 13, width, dtype=dtype).permute(0, 3, 1, 2).requires_grad_()
+        return ScaledAddFused.apply(x, b, torch.ones(1, width, 1, 1, requires_grad=True), None)
+
     cases = {}
     for d in (12, 32, 64):
         cases[f'pola d{d} fp32 pe+temperature'] = (pola, d, torch.float32, True)
@@ -183,6 +188,7 @@ def main():
         name = 'fp32' if dtype == torch.float32 else 'bf16'
         cases[f'fused convffn c{width} {name}'] = (conv_ffn, width, dtype, None)
         cases[f'fused cpe c{width} {name}'] = (cpe, width, dtype, None)
+        cases[f'fused residual c{width} {name}'] = (residual, width, dtype, None)
     results = []
     for case, (fn, d, dtype, flag) in cases.items():
         del LAUNCHED[:]

@@ -414,6 +414,30 @@ def run_conv_sums(res):
         z.isnan() != want.isnan()).sum().item() + (copy_.isnan() != x.isnan()).sum().item()
     res['conv_sum NaN: NaNs in the sum'] = z.isnan().sum().item()
 
+    # the residual sums' backward (ScaledAddFused): x + b * f with a layer scale (1, C, 1, 1)
+    # or a per-image factor (B, C, 1, 1); b channels-last (a mixer's output) or NCHW, float32 or
+    # bf16 (the sum then float32); one chunk of tokens, or many
+    from linattn_mm.ops.ffn.fused import ScaledAddFused
+    for name, (B, C, H, W), per_image, dtype, last in (
+            ('scale fp32', (2, 24, 5, 7), False, torch.float32, True),
+            ('per-image bf16', (3, 20, 6, 9), True, torch.bfloat16, True),
+            ('scale fp32, many chunks', (1, 16, 64, 64), False, torch.float32, False)):
+        x = torch.randn(B, C, H, W, generator=g, requires_grad=True)
+        b = torch.randn(B, H, W, C, generator=g).permute(0, 3, 1, 2) if last else \
+            torch.randn(B, C, H, W, generator=g)
+        b = b.to(dtype).requires_grad_()
+        f = torch.randn(B if per_image else 1, C, 1, 1, generator=g, requires_grad=True)
+        grad = torch.randn(B, C, H, W, generator=g)
+        out = ScaledAddFused.apply(x, b, f, torch.float32)
+        got = [out, *torch.autograd.grad(out, (x, b, f), grad)]
+        assert got[2].dtype == dtype and got[2].stride() == b.stride(), name
+        f64 = f.detach().double()
+        want = [x.double() + b.double() * f64, grad.double(), grad.double() * f64,
+                (grad.double() * b.double()).sum((0, 2, 3) if not per_image else (2, 3),
+                                                  keepdim=True).view(f.shape)]
+        res[f'ScaledAddFused {name}: out and every gradient'] = max(
+            rel(a, w) for a, w in zip(got, want))
+
     def step(fn, leaves, grad):
         out = fn(*leaves)
         return [out, *torch.autograd.grad(out, [t for t in leaves if t.requires_grad], grad)]
@@ -466,6 +490,18 @@ def run_conv_sums(res):
             ['x'] + [n for n, _ in blk.named_parameters()],
             torch.autograd.grad(out, [xi, *blk.parameters()], grad))))
     fast, fused = runs['fast'], runs['fused']
+    # stochastic depth (the same masks: the same seed), float32
+    dp = NaLaBlock(16, 4, dict(type='NormAwareLinearAttention'), drop_path=0.5,
+                   layer_scale_init_value=0.7).train()
+    errs = {}
+    for core in ('fast', 'fused'):
+        dp.ffn_core = core
+        xi = x.clone().requires_grad_()
+        torch.manual_seed(5)
+        out = dp(xi)
+        errs[core] = [out, *torch.autograd.grad(out, [xi, *dp.parameters()], grad)]
+    res['drop path block fp32: fused against default'] = max(
+        rel(a, b) for a, b in zip(errs['fused'], errs['fast']))
     assert all(fused[k].dtype == fast[k].dtype for k in fast)
     res['bf16 block: output, largest difference'] = (fused['out'] - fast['out']).abs().max().item()
     for part in ('x', 'ffn.', 'cpe1.', 'cpe2.'):

@@ -133,9 +133,10 @@ class NaLaBlock(nn.Module):
     and the ``fc1`` output kept for backward; ``ffn_core='reference'`` runs the modules one by one.
     ``ffn_core='fused'`` (CUDA, for training; set by
     :func:`linattn_mm.cli.set_attention_core` with ``'fused'``) runs the ConvFFN's conv sum
-    ``h + dwconv(h)`` and the CPEs' ``x + cpe(x)`` as Triton kernels
-    (:mod:`linattn_mm.ops.ffn.fused`): the same values and gradients (under autocast the CPEs'
-    bias gradients summed in float32), fewer passes over memory.
+    ``h + dwconv(h)`` and the CPEs' ``x + cpe(x)`` as Triton kernels, and the backward of the
+    residual sums with their LayerScale (:mod:`linattn_mm.ops.ffn.fused`): the same values and
+    gradients (under autocast the CPEs' bias gradients summed in float32), fewer passes over
+    memory.
     """
 
     def __init__(self, embed_dims, num_heads, attn_cfg, mlp_ratio=4., drop_path=0.,
@@ -196,12 +197,13 @@ class NaLaBlock(nn.Module):
     def forward(self, x, rope=None):
         if self.cpe1 is not None:
             x = self.cpe(self.cpe1, x)
+        fused = self.ffn_core == 'fused'
         a = self._mix(x, rope)
-        x = self.drop_path.add(x, a, self.gamma_1 if self.layer_scale else None)
+        x = self.drop_path.add(x, a, self.gamma_1 if self.layer_scale else None, fused)
         if self.cpe2 is not None:
             x = self.cpe(self.cpe2, x)
         f = self.ffn_branch(x)
-        return self.drop_path.add(x, f, self.gamma_2 if self.layer_scale else None)
+        return self.drop_path.add(x, f, self.gamma_2 if self.layer_scale else None, fused)
 
 
 def set_fused_blocks(model, fused):

@@ -50,7 +50,7 @@ class DropPath(nn.Module):
         """A per-sample Bernoulli(keep) mask (B, 1, ..., 1) for ``t``, in its dtype."""
         return t.new_empty((t.shape[0], ) + (1, ) * (t.dim() - 1)).bernoulli_(keep)
 
-    def add(self, x, branch, scale=None):
+    def add(self, x, branch, scale=None, fused=False):
         """``x + self(branch)``, the residual sum of a dropped branch (with ``scale``, a layer
         scale that broadcasts over the branch such as (1, C, 1, 1): ``x + self(scale * branch)``),
         as one operation over the maps each way: the per-sample mask (drawn as in
@@ -59,17 +59,22 @@ class DropPath(nn.Module):
         ``x`` in one pass, its backward writing the branch's gradient in one more (plain autograd
         of the product and the sum makes two or three full-size maps each way, and under autocast
         a float32 copy of a half-precision branch). The same values and dtype up to the rounding
-        of ``1 / keep`` (now in float32 at least) and the order of the products."""
+        of ``1 / keep`` (now in float32 at least) and the order of the products. ``fused``
+        (NaLaFormer blocks on ``ffn_core='fused'``; CUDA): the backward of the sum of NCHW maps as
+        one Triton kernel (:func:`linattn_mm.ops.ffn.fused.scaled_add_fused`)."""
+        add = scaled_add
+        if fused:
+            from linattn_mm.ops.ffn.fused import scaled_add_fused as add
         dropped = self.drop_prob != 0. and self.training
         if not dropped:
-            return x + branch if scale is None else scaled_add(x, branch, scale)
+            return x + branch if scale is None else add(x, branch, scale)
         keep = 1 - self.drop_prob
         f = self._mask(branch, keep)  # 1 / keep in float32 at least, not in a half precision
         f = f.to(promote_types(f.dtype, torch.float32)).div_(keep)
         # the dtype of x + mask * (scale * branch): the float32 factor does not promote the sum
         out = promote_types(x.dtype, branch.dtype if scale is None else
                             promote_types(scale.dtype, branch.dtype))
-        return scaled_add(x, branch, f if scale is None else scale * f, out)
+        return add(x, branch, f if scale is None else scale * f, out)
 
     def extra_repr(self):
         return f'drop_prob={self.drop_prob}'

@@ -34,7 +34,9 @@ import torch.nn.functional as F
 
 from ..common import autocast_dtype, promote_types
 from ..common import in_dtype_of as _to
-from ..dispatch import FUSED_WARPS, TRITON_DTYPES, launch_fitted, triton_available, triton_module
+from ..dispatch import (FUSED_WARPS, TRITON_DTYPES, fused_chunks, launch_fitted,
+                        triton_available, triton_module)
+from ..lean_layers import ScaledAdd, scaled_add
 from .autograd import _conv_ffn_input_grads, _layer_norm, _linear_grads
 
 triton = triton_module()
@@ -42,13 +44,15 @@ if triton is not None:
     import triton.language as tl
 
 __all__ = ['conv_sum', 'ConvFFNBranchFused', 'ConvResidualFused', 'conv_ffn_branch_fused',
-           'conv_residual_fused', 'check_fused_conv']
+           'conv_residual_fused', 'check_fused_conv', 'ScaledAddFused', 'scaled_add_fused']
 
 #: ``round`` of the module docstring: the dtype code the kernels cast to and back (0: none)
 _ROUNDING = {torch.bfloat16: 1, torch.float16: 2}
 #: elements of one program's tile (channels by columns); under Triton's interpreter, at most
 _TILE = 1024
 _INTERPRETED_TILE = 1 << 15
+#: tokens and channels of a tile of the residual sums' gradient kernel
+_ADD_TOKENS, _ADD_CHANNELS = 64, 16
 
 if triton is not None:
 
@@ -110,6 +114,34 @@ if triton is not None:
             z = z * (0.5 * (1.0 + tl.math.erf(p * 0.7071067811865476))
                      + p * tl.exp(-0.5 * p * p) * 0.3989422804014327)
         tl.store(Z + out, _round(z, ROUND_OUT).to(Z.dtype.element_ty), mask=mo)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _scaled_add_grads_kernel(G, Bm, F, DB, S, L, C, chunk,
+                                 s_gb, s_gt, s_gc, s_bb, s_bt, s_bc, s_db, s_dt, s_dc, s_fb, s_fc,
+                                 NEED_DB: tl.constexpr, NEED_DF: tl.constexpr,
+                                 ROUND_OUT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+        rc = tl.program_id(0) * BC + tl.arange(0, BC)
+        split = tl.program_id(1)
+        b = tl.program_id(2).to(tl.int64)  # image
+        cm = rc < C
+        f = tl.load(F + b * s_fb + rc * s_fc, mask=cm, other=0.0).to(tl.float32)[None, :]
+        acc = tl.zeros((BT, BC), dtype=tl.float32)
+        for off in range(0, chunk, BT):
+            rt = split * chunk + off + tl.arange(0, BT)
+            m = (rt < L)[:, None] & cm[None, :]
+            g = tl.load(G + b * s_gb + rt[:, None] * s_gt + rc[None, :] * s_gc, mask=m,
+                        other=0.0).to(tl.float32)
+            if NEED_DB:
+                tl.store(DB + b * s_db + rt[:, None] * s_dt + rc[None, :] * s_dc,
+                         _round(g * f, ROUND_OUT).to(DB.dtype.element_ty), mask=m)
+            if NEED_DF:
+                acc += g * tl.load(Bm + b * s_bb + rt[:, None] * s_bt + rc[None, :] * s_bc,
+                                   mask=m, other=0.0).to(tl.float32)
+        if NEED_DF:
+            tl.store(S + (b * tl.num_programs(1) + split) * C + rc, tl.sum(acc, axis=0), mask=cm)
 
 
 def _tile(x):
@@ -177,6 +209,93 @@ def conv_sum(x, weight, bias=None, pre=None, flip=False, conv_dtype=None, out_dt
     if copy:
         return z, xc if write_copy else x
     return z
+
+
+def _tokens(t):
+    """A (B, C, H, W) map as its (B, H·W, C) view (H and W merged; a copy where they cannot be)."""
+    B, C, H, W = t.shape
+    if H > 1 and t.stride(2) != W * t.stride(3):
+        t = t.contiguous()
+    return t.as_strided((B, H * W, C), (t.stride(0), t.stride(3), t.stride(1)))
+
+
+def _scaled_add_grads_outputs(grad, b, f, b_dtype, need_db, need_df):
+    B, C = grad.shape[:2]
+    splits, chunk = fused_chunks(grad.shape[2] * grad.shape[3], B * -(-C // _ADD_CHANNELS),
+                                 _ADD_TOKENS, grad.device)
+    db = torch.empty_like(b, dtype=b_dtype) if need_db else grad.new_empty(0)
+    sums = torch.empty(B, splits, C, dtype=torch.float32, device=grad.device) if need_df else \
+        grad.new_empty(0, dtype=torch.float32)
+    return (db, sums), chunk
+
+
+@torch.library.custom_op('linattn_mm::scaled_add_grads', mutates_args=())
+def _scaled_add_grads_op(grad: torch.Tensor, b: torch.Tensor, f: torch.Tensor,
+                         b_dtype: torch.dtype, need_db: bool,
+                         need_df: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of ``x + b * f`` for (B, C, H, W) maps ``grad`` and ``b`` and ``f``
+    (B or 1, C) float32: ``grad * f`` in ``b_dtype`` with b's strides (``need_db``, else an empty
+    tensor), and per image and chunk of tokens the sums of ``grad * b`` (B, chunks, C) float32
+    (``need_df``)."""
+    (db, sums), chunk = _scaled_add_grads_outputs(grad, b, f, b_dtype, need_db, need_df)
+    B, C = grad.shape[:2]
+    g_t, b_t = _tokens(grad), _tokens(b)
+    d_t = _tokens(db) if need_db else g_t
+    launch_fitted(_scaled_add_grads_kernel,
+        (-(-C // _ADD_CHANNELS), sums.shape[1] if need_df else
+         -(-g_t.shape[1] // chunk), B),
+        g_t, b_t, f, db if need_db else grad, sums if need_df else f, g_t.shape[1], C, chunk,
+        *g_t.stride(), *b_t.stride(), *d_t.stride(), f.stride(0) if f.shape[0] > 1 else 0,
+        f.stride(1), num_warps=FUSED_WARPS, NEED_DB=need_db, NEED_DF=need_df,
+        ROUND_OUT=_ROUNDING.get(b_dtype, 0), BT=_ADD_TOKENS, BC=_ADD_CHANNELS)
+    return db, sums
+
+
+@_scaled_add_grads_op.register_fake
+def _(grad, b, f, b_dtype, need_db, need_df):
+    return _scaled_add_grads_outputs(grad, b, f, b_dtype, need_db, need_df)[0]
+
+
+class ScaledAddFused(torch.autograd.Function):
+    """:class:`~linattn_mm.ops.lean_layers.ScaledAdd` (``x + b * f``, the residual sum of a
+    block's branch with its layer scale and stochastic-depth factor) for (B, C, H, W) maps and
+    ``f`` of shape (1 or B, C, 1, 1): the same forward (one ``addcmul``, autocast off) and kept
+    tensors; its backward one Triton kernel that reads the gradient and ``b`` once and writes
+    ``b``'s gradient (``grad * f`` in ``b``'s dtype) and the partial sums of ``grad * b`` per
+    image and chunk of tokens for ``f``'s (float32), where the torch backward makes a float32
+    product map and sums it (``grad`` in float32 and ``b`` in half precision under autocast cannot
+    share a batched product). Inputs: x, b, f, out_dtype."""
+
+    @staticmethod
+    def forward(ctx, x, b, f, out_dtype=None):
+        return ScaledAdd.forward(ctx, x, b, f, out_dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        b, f = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        if not (need[1] or need[2]):
+            return grad if need[0] else None, None, None, None
+        B, C = grad.shape[:2]
+        f2 = f.to(torch.float32).reshape(f.shape[0], C)
+        db, sums = torch.ops.linattn_mm.scaled_add_grads(
+            grad, grad if b is None else b, f2, ctx.b_dtype, need[1], need[2])
+        df = None
+        if need[2]:
+            df = sums.sum(1).view(B, C, 1, 1).sum_to_size(f.shape).to(f.dtype)
+        return grad if need[0] else None, db if need[1] else None, df, None
+
+
+def scaled_add_fused(x, b, f, out_dtype=None):
+    """``x + b * f`` through :class:`ScaledAddFused` where ``x`` and ``b`` are (B, C, H, W) maps
+    of one shape and ``f`` (1 or B, C, 1, 1); other shapes through
+    :func:`~linattn_mm.ops.lean_layers.scaled_add`. The result in ``out_dtype`` (None: the dtype
+    the three promote to)."""
+    if (x.dim() != 4 or x.shape != b.shape or f.dim() != 4 or f.shape[1] != x.shape[1]
+            or f.shape[0] not in (1, x.shape[0]) or f.shape[2:] != (1, 1)):
+        return scaled_add(x, b, f, out_dtype)
+    return ScaledAddFused.apply(x, b, f, out_dtype)
 
 
 def check_fused_conv(owner, conv, x=None):
