@@ -63,11 +63,12 @@ def test_convffn_and_cpe_gradients_equal_plain_autograd(interpreted):
 @pytest.mark.slow  # the interpreter: about 35 s for all
 def test_the_residual_sums_backward_equals_the_formula(interpreted):
     # x + b * f with a layer scale (1, C, 1, 1) or a per-image factor (B, C, 1, 1), b
-    # channels-last or NCHW, one chunk of tokens or many: the output and the gradients of x, b
-    # and f against float64 (b's in bf16 within its rounding); a block with stochastic depth
-    # (the same masks) as its default form
+    # channels-last or NCHW, one chunk of tokens or many, maps whose H and W do not merge and
+    # W = 1 slices of larger maps: the output and the gradients of x, b and f against float64
+    # (b's in bf16 within its rounding); a block with stochastic depth (the same masks) as its
+    # default form
     cases = {k: v for k, v in interpreted.items() if k.startswith('ScaledAddFused ')}
-    assert len(cases) == 3
+    assert len(cases) == 5
     for name, err in cases.items():
         assert err < (2 ** -8 if 'bf16' in name else 1e-5), (name, err)
     assert interpreted['drop path block fp32: fused against default'] < 1e-5

@@ -211,19 +211,30 @@ def conv_sum(x, weight, bias=None, pre=None, flip=False, conv_dtype=None, out_dt
     return z
 
 
-def _tokens(t):
-    """A (B, C, H, W) map as its (B, H·W, C) view (H and W merged; a copy where they cannot be)."""
+def _token_strides(t):
+    """The strides (image, token, channel) of a (B, C, H, W) map's H·W tokens, or None where its
+    H and W do not merge into one dim (a size-1 dim's stride does not count)."""
     B, C, H, W = t.shape
-    if H > 1 and t.stride(2) != W * t.stride(3):
-        t = t.contiguous()
-    return t.as_strided((B, H * W, C), (t.stride(0), t.stride(3), t.stride(1)))
+    sb, sc, sh, sw = t.stride()
+    if W == 1:
+        return sb, sh, sc
+    if H == 1 or sh == W * sw:
+        return sb, sw, sc
+    return None
+
+
+def _mergeable(t):
+    """``t``, or a contiguous copy where its H and W do not merge."""
+    return t if _token_strides(t) is not None else t.contiguous()
 
 
 def _scaled_add_grads_outputs(grad, b, f, b_dtype, need_db, need_df):
-    B, C = grad.shape[:2]
-    splits, chunk = fused_chunks(grad.shape[2] * grad.shape[3], B * -(-C // _ADD_CHANNELS),
-                                 _ADD_TOKENS, grad.device)
-    db = torch.empty_like(b, dtype=b_dtype) if need_db else grad.new_empty(0)
+    B, C, H, W = grad.shape
+    splits, chunk = fused_chunks(H * W, B * -(-C // _ADD_CHANNELS), _ADD_TOKENS, grad.device)
+    db = grad.new_empty(0)
+    if need_db:  # b's strides where its tokens merge (a mixer's channels-last output), else NCHW
+        db = torch.empty_like(b, dtype=b_dtype, memory_format=torch.preserve_format
+                              if _token_strides(b) is not None else torch.contiguous_format)
     sums = torch.empty(B, splits, C, dtype=torch.float32, device=grad.device) if need_df else \
         grad.new_empty(0, dtype=torch.float32)
     return (db, sums), chunk
@@ -238,14 +249,13 @@ def _scaled_add_grads_op(grad: torch.Tensor, b: torch.Tensor, f: torch.Tensor,
     tensor), and per image and chunk of tokens the sums of ``grad * b`` (B, chunks, C) float32
     (``need_df``)."""
     (db, sums), chunk = _scaled_add_grads_outputs(grad, b, f, b_dtype, need_db, need_df)
-    B, C = grad.shape[:2]
-    g_t, b_t = _tokens(grad), _tokens(b)
-    d_t = _tokens(db) if need_db else g_t
+    B, C, H, W = grad.shape
+    grad, b = _mergeable(grad), _mergeable(b)
+    d_t = _token_strides(db) if need_db else _token_strides(grad)
     launch_fitted(_scaled_add_grads_kernel,
-        (-(-C // _ADD_CHANNELS), sums.shape[1] if need_df else
-         -(-g_t.shape[1] // chunk), B),
-        g_t, b_t, f, db if need_db else grad, sums if need_df else f, g_t.shape[1], C, chunk,
-        *g_t.stride(), *b_t.stride(), *d_t.stride(), f.stride(0) if f.shape[0] > 1 else 0,
+        (-(-C // _ADD_CHANNELS), -(-(H * W) // chunk), B),
+        grad, b, f, db if need_db else grad, sums if need_df else f, H * W, C, chunk,
+        *_token_strides(grad), *_token_strides(b), *d_t, f.stride(0) if f.shape[0] > 1 else 0,
         f.stride(1), num_warps=FUSED_WARPS, NEED_DB=need_db, NEED_DF=need_df,
         ROUND_OUT=_ROUNDING.get(b_dtype, 0), BT=_ADD_TOKENS, BC=_ADD_CHANNELS)
     return db, sums
@@ -260,7 +270,7 @@ class ScaledAddFused(torch.autograd.Function):
     """:class:`~linattn_mm.ops.lean_layers.ScaledAdd` (``x + b * f``, the residual sum of a
     block's branch with its layer scale and stochastic-depth factor) for (B, C, H, W) maps and
     ``f`` of shape (1 or B, C, 1, 1): the same forward (one ``addcmul``, autocast off) and kept
-    tensors; its backward one Triton kernel that reads the gradient and ``b`` once and writes
+    tensors; its backward (in float32, float64 inputs too) one Triton kernel that reads the gradient and ``b`` once and writes
     ``b``'s gradient (``grad * f`` in ``b``'s dtype) and the partial sums of ``grad * b`` per
     image and chunk of tokens for ``f``'s (float32), where the torch backward makes a float32
     product map and sums it (``grad`` in float32 and ``b`` in half precision under autocast cannot
