@@ -270,11 +270,11 @@ class ScaledAddFused(torch.autograd.Function):
     """:class:`~linattn_mm.ops.lean_layers.ScaledAdd` (``x + b * f``, the residual sum of a
     block's branch with its layer scale and stochastic-depth factor) for (B, C, H, W) maps and
     ``f`` of shape (1 or B, C, 1, 1): the same forward (one ``addcmul``, autocast off) and kept
-    tensors; its backward (in float32, float64 inputs too) one Triton kernel that reads the gradient and ``b`` once and writes
-    ``b``'s gradient (``grad * f`` in ``b``'s dtype) and the partial sums of ``grad * b`` per
-    image and chunk of tokens for ``f``'s (float32), where the torch backward makes a float32
-    product map and sums it (``grad`` in float32 and ``b`` in half precision under autocast cannot
-    share a batched product). Inputs: x, b, f, out_dtype."""
+    tensors; its backward (in float32, float64 inputs too) one Triton kernel that reads the
+    gradient and ``b`` once and writes ``b``'s gradient (``grad * f`` in ``b``'s dtype) and the
+    partial sums of ``grad * b`` per image and chunk of tokens for ``f``'s (float32), where the
+    torch backward makes a float32 product map and sums it (``grad`` in float32 and ``b`` in half
+    precision under autocast cannot share a batched product). Inputs: x, b, f, out_dtype."""
 
     @staticmethod
     def forward(ctx, x, b, f, out_dtype=None):
