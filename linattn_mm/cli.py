@@ -143,9 +143,9 @@ def set_attention_core(model, core):
             raise ValueError(f"--attn-core {core}: {name} (kernel={m.kernel!r}, query_power="
                              f"{m.query_power}) has no {OFFICIAL_ONLY_CORES[core]} core (the "
                              f"official kernel only)")
+    set_fused_blocks(model, core == 'fused')  # checks its convs before it switches anything
     for _, m in mixers:
         m.core = core
-    set_fused_blocks(model, core == 'fused')
     return len(mixers)
 
 

@@ -1,6 +1,7 @@
-"""Fused training forms of NaLaFormer's depth-wise conv sums (CUDA; a block's
-``ffn_core='fused'``): the ConvFFN's ``h + dwconv(h)`` and the CPE's ``x + cpe(x)``, each one
-Triton kernel forward and one backward.
+"""Fused training forms of NaLaFormer's blocks (CUDA; a block's ``ffn_core='fused'``): the
+ConvFFN's ``h + dwconv(h)`` and the CPE's ``x + cpe(x)``, each one Triton kernel forward and one
+backward, and the backward of the residual sums with their LayerScale as one more
+(:class:`ScaledAddFused`).
 
 A NaLaFormer block adds a depth-wise 3×3 conv to its own input three times: the two CPEs on the
 C-wide map and the ConvFFN's conv on the 4C-wide hidden map. In torch each sum is a conv, then an
@@ -20,8 +21,8 @@ reads its input once (the taps of the 3×3 window come from the cache) and write
 
 What is kept for backward does not change: the ConvFFN keeps its input, the LayerNorm statistics
 and the ``fc1`` output (:class:`~linattn_mm.ops.ffn.autograd.ConvFFNBranch`, whose LayerNorm and
-products these Functions share); the CPE keeps its input (the plain form under autocast keeps a
-half-precision copy of it, made by a cast). On CPU tensors the kernels run in Triton's
+products these Functions share); the CPE keeps its input in the conv's dtype where its weight
+needs a gradient (the copy autocast's conv keeps, here written by the forward kernel). On CPU tensors the kernels run in Triton's
 interpreter (``TRITON_INTERPRET=1``), which is how the tests check them without a GPU; on
 ``meta`` tensors each launch is one operation that reads its inputs and writes its output, so the
 counters of :mod:`linattn_mm.utils` count them.
@@ -115,9 +116,6 @@ if triton is not None:
                      + p * tl.exp(-0.5 * p * p) * 0.3989422804014327)
         tl.store(Z + out, _round(z, ROUND_OUT).to(Z.dtype.element_ty), mask=mo)
 
-
-if triton is not None:
-
     @triton.jit
     def _scaled_add_grads_kernel(G, Bm, F, DB, S, L, C, chunk,
                                  s_gb, s_gt, s_gc, s_bb, s_bt, s_bc, s_db, s_dt, s_dc, s_fb, s_fc,
@@ -148,13 +146,12 @@ def _tile(x):
     """(columns, channels) of a program's tile: the map's contiguous dim the longer one. Triton's
     interpreter runs a program's tile as numpy arrays and each program in Python: there the tiles
     are up to :data:`_INTERPRETED_TILE` elements, so that a map takes few programs."""
-    channels = min(64, max(16, triton.next_power_of_2(x.shape[-1])))
-    if x.stride(-1) != 1:  # channels-first: the columns are contiguous
-        channels = 16
     if os.environ.get('TRITON_INTERPRET') == '1':
         channels = min(256, max(16, triton.next_power_of_2(x.shape[-1])))
         return max(16, min(triton.next_power_of_2(x.shape[2]),
                            _INTERPRETED_TILE // channels)), channels
+    channels = 16 if x.stride(-1) != 1 else \
+        min(64, max(16, triton.next_power_of_2(x.shape[-1])))  # NCHW: the columns contiguous
     return _TILE // channels, channels
 
 
@@ -228,7 +225,7 @@ def _mergeable(t):
     return t if _token_strides(t) is not None else t.contiguous()
 
 
-def _scaled_add_grads_outputs(grad, b, f, b_dtype, need_db, need_df):
+def _scaled_add_grads_outputs(grad, b, b_dtype, need_db, need_df):
     B, C, H, W = grad.shape
     splits, chunk = fused_chunks(H * W, B * -(-C // _ADD_CHANNELS), _ADD_TOKENS, grad.device)
     db = grad.new_empty(0)
@@ -248,7 +245,7 @@ def _scaled_add_grads_op(grad: torch.Tensor, b: torch.Tensor, f: torch.Tensor,
     (B or 1, C) float32: ``grad * f`` in ``b_dtype`` with b's strides (``need_db``, else an empty
     tensor), and per image and chunk of tokens the sums of ``grad * b`` (B, chunks, C) float32
     (``need_df``)."""
-    (db, sums), chunk = _scaled_add_grads_outputs(grad, b, f, b_dtype, need_db, need_df)
+    (db, sums), chunk = _scaled_add_grads_outputs(grad, b, b_dtype, need_db, need_df)
     B, C, H, W = grad.shape
     grad, b = _mergeable(grad), _mergeable(b)
     d_t = _token_strides(db) if need_db else _token_strides(grad)
@@ -263,7 +260,7 @@ def _scaled_add_grads_op(grad: torch.Tensor, b: torch.Tensor, f: torch.Tensor,
 
 @_scaled_add_grads_op.register_fake
 def _(grad, b, f, b_dtype, need_db, need_df):
-    return _scaled_add_grads_outputs(grad, b, f, b_dtype, need_db, need_df)[0]
+    return _scaled_add_grads_outputs(grad, b, b_dtype, need_db, need_df)[0]
 
 
 class ScaledAddFused(torch.autograd.Function):
@@ -306,6 +303,16 @@ def scaled_add_fused(x, b, f, out_dtype=None):
             or f.shape[0] not in (1, x.shape[0]) or f.shape[2:] != (1, 1)):
         return scaled_add(x, b, f, out_dtype)
     return ScaledAddFused.apply(x, b, f, out_dtype)
+
+
+def _depthwise_weight_grad(grad, inp, weight):
+    """cuDNN's weight gradient (in ``grad``'s dtype) of the depth-wise conv ``weight``
+    (C, 1, K, K), same padding, of the (B, H, W, C) map ``inp`` with the output gradient ``grad``
+    (both views of NCHW maps or channels-last)."""
+    k = weight.shape[-1]
+    return torch.ops.aten.convolution_backward(
+        grad.permute(0, 3, 1, 2), inp.permute(0, 3, 1, 2), weight.to(grad.dtype), None, [1, 1],
+        [k // 2, k // 2], [1, 1], False, [0, 0], weight.shape[0], [False, True, False])[1]
 
 
 def check_fused_conv(owner, conv, x=None):
@@ -362,10 +369,7 @@ class ConvFFNBranchFused(torch.autograd.Function):
         dz = dz.reshape(B, H, W, R)
         ddw = ddb = None
         if need[6]:
-            k = dw_w.shape[-1]
-            ddw = torch.ops.aten.convolution_backward(
-                dz.permute(0, 3, 1, 2), a.permute(0, 3, 1, 2), dw_w.to(dt), None, [1, 1],
-                [k // 2, k // 2], [1, 1], False, [0, 0], R, [False, True, False])[1]
+            ddw = _depthwise_weight_grad(dz, a, dw_w)
         del a
         if dw_b is not None and need[7]:
             ddb = dz.sum((0, 1, 2))
@@ -414,11 +418,7 @@ class ConvResidualFused(torch.autograd.Function):
         elif need[1]:
             gc = g.to(ctx.conv_dtype)
         if need[1]:
-            k = weight.shape[-1]
-            dw = torch.ops.aten.convolution_backward(
-                gc.permute(0, 3, 1, 2), xc.permute(0, 3, 1, 2), weight.to(ctx.conv_dtype), None,
-                [1, 1], [k // 2, k // 2], [1, 1], False, [0, 0], xc.shape[-1],
-                [False, True, False])[1].to(weight.dtype)
+            dw = _depthwise_weight_grad(gc, xc, weight).to(weight.dtype)
         if bias is not None and need[2]:
             db = gc.sum((0, 1, 2), dtype=torch.float32).to(bias.dtype)
         return dx, dw, db, None
