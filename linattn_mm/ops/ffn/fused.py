@@ -22,9 +22,9 @@ reads its input once (the taps of the 3×3 window come from the cache) and write
 What is kept for backward does not change: the ConvFFN keeps its input, the LayerNorm statistics
 and the ``fc1`` output (:class:`~linattn_mm.ops.ffn.autograd.ConvFFNBranch`, whose LayerNorm and
 products these Functions share); the CPE keeps its input in the conv's dtype where its weight
-needs a gradient (the copy autocast's conv keeps, here written by the forward kernel). On CPU tensors the kernels run in Triton's
-interpreter (``TRITON_INTERPRET=1``), which is how the tests check them without a GPU; on
-``meta`` tensors each launch is one operation that reads its inputs and writes its output, so the
+needs a gradient (the copy autocast's conv keeps, here written by the forward kernel). On CPU
+tensors the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``), which is how the tests
+check them without a GPU; on ``meta`` tensors each launch is one operation that reads its inputs and writes its output, so the
 counters of :mod:`linattn_mm.utils` count them.
 """
 import os
