@@ -24,8 +24,8 @@ and the ``fc1`` output (:class:`~linattn_mm.ops.ffn.autograd.ConvFFNBranch`, who
 products these Functions share); the CPE keeps its input in the conv's dtype where its weight
 needs a gradient (the copy autocast's conv keeps, here written by the forward kernel). On CPU
 tensors the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``), which is how the tests
-check them without a GPU; on ``meta`` tensors each launch is one operation that reads its inputs and writes its output, so the
-counters of :mod:`linattn_mm.utils` count them.
+check them without a GPU; on ``meta`` tensors each launch is one operation that reads its
+inputs and writes its output, so the counters of :mod:`linattn_mm.utils` count them.
 """
 import os
 from typing import Optional, Tuple
