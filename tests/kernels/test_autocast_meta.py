@@ -218,3 +218,48 @@ def test_recomputation_and_float32_mixers_under_the_region():
     assert y.dtype == torch.float32  # exp: float32 policy, of the bf16 product
     y.sum().backward()
     assert x.grad.dtype == torch.float32
+
+
+def _small_backbones(with_cp):
+    from linattn_mm.models.backbones import LinAttnPVTv2, LinAttnSwin
+    from linattn_mm.models.backbones.nalaformer import NaLaFormer
+    from linattn_mm.models.backbones.resnet_polynl import PolyNLResNet
+    from linattn_mm.models.backbones.setformer import SeTformer
+    small = dict(embed_dims=16, depths=[1, 1, 2, 1], num_heads=[1, 2, 2, 4])
+    return {
+        'Pola-Swin': LinAttnSwin(arch=small, attn_cfg=dict(type='PolaLinearAttention'),
+                                 drop_path_rate=0., with_cp=with_cp),
+        'PVTv2-b0': LinAttnPVTv2(arch='b0', drop_path_rate=0., with_cp=with_cp),
+        'NaLaFormer-xt': NaLaFormer('xt', drop_path_rate=0., with_cp=with_cp),
+        'SeTformer': SeTformer(arch=dict(small, mlp_ratio=2.), drop_path_rate=0.,
+                               attn_cfg=dict(type='SeTAttention', num_refs=8, num_iters=5),
+                               with_cp=with_cp),
+        'PolyNL-ResNet-50': PolyNLResNet(50, pad_mask=None, with_cp=with_cp),  # no data on meta
+    }
+
+
+def test_with_cp_counts_under_the_region():
+    """Gradient checkpointing (``with_cp``) of every skeleton counted on ``meta`` under the
+    region: its recomputation in the backward runs in the forward's dtypes (checkpointing
+    restores autocast for the devices it knows only, and refused the recomputed bf16 tensors),
+    every parameter gets the gradient it gets without checkpointing, the recomputed forward is
+    counted again, and the peak is lower."""
+    from linattn_mm.utils import PeakMemoryCounter
+
+    def step(model):
+        model = model.to('meta').train()
+        x = torch.empty(2, 3, 96, 128, device='meta')
+        with OperationCounter() as ops, PeakMemoryCounter(include_meta=True) as mem:
+            with ma.meta_autocast(torch.bfloat16):
+                loss = sum(o.float().square().mean() for o in model(x))
+            loss.backward()
+        return ops.total, mem.peak_bytes, {n: (p.grad.shape, p.grad.dtype)
+                                           for n, p in model.named_parameters()
+                                           if p.grad is not None}
+
+    plain, cp = _small_backbones(False), _small_backbones(True)
+    for name in plain:
+        ops, peak, grads = step(plain[name])
+        ops_cp, peak_cp, grads_cp = step(cp[name])
+        assert grads_cp == grads and len(grads) == len(list(plain[name].parameters())), name
+        assert ops_cp > ops and peak_cp < peak, (name, ops, ops_cp, peak, peak_cp)

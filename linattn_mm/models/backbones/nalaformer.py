@@ -8,11 +8,11 @@ Module names equal the official ones (``patch_embed.proj.{0..10}``, ``layers.{i}
 """
 import torch
 import torch.nn as nn
-import torch.utils.checkpoint as cp
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from linattn_mm.ops.dispatch import check_core
 from linattn_mm.ops.ffn import conv_ffn_branch
+from linattn_mm.ops.lean_layers import recomputed
 from linattn_mm.registry import register_backbone
 from ..attentions.base import build_attention
 from ..attentions.nala import NaLaMixerBase, RoPE2d
@@ -247,7 +247,7 @@ class NaLaStage(nn.Module):
         rope = self.RoPE(x.shape[-2:]) if self.RoPE is not None else None
         for blk in self.blocks:
             if self.with_cp and x.requires_grad:
-                x = cp.checkpoint(blk, x, rope, use_reentrant=False)
+                x = recomputed(blk, x, rope)
             else:
                 x = blk(x, rope)
         down = self.downsample(x) if self.downsample is not None else None

@@ -12,9 +12,9 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.utils.checkpoint as cp
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from linattn_mm.ops.lean_layers import recomputed
 from linattn_mm.registry import register_backbone
 from ..attentions.poly import PolyNL2d
 from ..utils.layers import build_bn
@@ -49,7 +49,7 @@ class Bottleneck(nn.Module):
 
     def forward(self, x):
         if self.with_cp and x.requires_grad:
-            out = cp.checkpoint(self._inner, x, use_reentrant=False)
+            out = recomputed(self._inner, x)
         else:
             out = self._inner(x)
         return self.relu(out)

@@ -19,8 +19,8 @@ import copy
 
 import torch
 import torch.nn as nn
-import torch.utils.checkpoint as cp
 
+from linattn_mm.ops.lean_layers import recomputed
 from linattn_mm.registry import register_backbone
 from ..attentions.base import build_attention
 from ..utils.layers import BlocksThenDownsample, DropPath, Mlp, nchw_to_nlc, nlc_to_nchw
@@ -96,7 +96,7 @@ class SeTBlock(nn.Module):
 
     def forward(self, x, hw_shape):
         if self.with_cp and x.requires_grad:
-            return cp.checkpoint(self._forward, x, hw_shape, use_reentrant=False)
+            return recomputed(self._forward, x, hw_shape)
         return self._forward(x, hw_shape)
 
 

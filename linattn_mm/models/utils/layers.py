@@ -4,13 +4,12 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils.checkpoint as cp
 
 from linattn_mm.models.attentions.base import build_attention
 from linattn_mm.ops.common import promote_types
 from linattn_mm.ops.dispatch import check_core
 from linattn_mm.ops.ffn import ffn_branch
-from linattn_mm.ops.lean_layers import scaled_add
+from linattn_mm.ops.lean_layers import recomputed, scaled_add
 # re-exported for the skeletons
 from .grid import nchw_to_nlc, nlc_to_nchw, resize_grid_embed  # noqa: F401
 
@@ -160,7 +159,7 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x, hw_shape):
         if self.with_cp and x.requires_grad:
-            return cp.checkpoint(self._forward, x, hw_shape, use_reentrant=False)
+            return recomputed(self._forward, x, hw_shape)
         return self._forward(x, hw_shape)
 
 
