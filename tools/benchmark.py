@@ -134,7 +134,7 @@ import torch.nn.functional as F
 import linattn_mm  # noqa: F401
 from linattn_mm import deploy
 from linattn_mm.flops import dummy_inputs
-from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d
+from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d, set_fused_gates
 from linattn_mm.models.attentions.pola import PolaLinearAttention
 from linattn_mm.models.utils.layers import TransformerBlock
 from linattn_mm.models.backbones.nalaformer import NaLaBlock, set_fused_blocks
@@ -265,11 +265,12 @@ def set_impl(model, impl, ffn='auto', device=None, train=False):
     CUDA), ``torch``, ``fused`` and ``reference`` leave it unconverted with the mixers' ``core``
     set to ``'fast'`` / ``'fused'`` / ``'reference'`` (``fused``: CUDA, or ``meta`` to count; NaLa
     mixers with a constant query power keep ``'fast'``; NaLaFormer blocks get their fused conv
-    sums, ``ffn_core='fused'``), ``official`` binds the official Pola
-    forward (NaLa mixers: their reference core). ``ffn='plain'`` keeps the blocks unconverted (the
-    mixers alone differ). For training (``train``) nothing is converted: ``fast`` is the default
-    training form, ``triton`` puts the Pola and NaLa mixers (official kernel) on their Triton
-    cores, forward and backward (CUDA, or ``meta`` to count what their kernels move)."""
+    sums, ``ffn_core='fused'``, NaLa mixers their fused gated output), ``official``
+    binds the official Pola forward (NaLa mixers: their reference core). ``ffn='plain'`` keeps
+    the blocks unconverted (the mixers alone differ). For training (``train``) nothing is
+    converted: ``fast`` is the default training form, ``triton`` puts the Pola and NaLa mixers
+    (official kernel) on their Triton cores, forward and backward (CUDA, or ``meta`` to count
+    what their kernels move)."""
     if train:
         impl = 'torch' if impl == 'fast' else impl
         if impl == 'triton':
@@ -278,6 +279,7 @@ def set_impl(model, impl, ffn='auto', device=None, train=False):
                 raise ValueError('--impls triton trains on --device cuda (or counts on meta)')
             deploy.revert(model)
             set_fused_blocks(model, False)
+            set_fused_gates(model, False)
             for m in pola_modules(model):  # an earlier 'official' variant's bound forward
                 m.__dict__.pop('forward', None)
             for m in model.modules():
@@ -301,6 +303,7 @@ def set_impl(model, impl, ffn='auto', device=None, train=False):
             # the official map with a constant query power has no fused core
             m.core = 'fast' if core_refusal(CORE[impl], m.kernel, m.query_power) else CORE[impl]
     set_fused_blocks(model, impl == 'fused')
+    set_fused_gates(model, impl == 'fused')
     if impl == 'official':
         for m in pola_modules(model):
             m.forward = types.MethodType(official_pola_forward, m)

@@ -11,7 +11,9 @@ Same flags as the stock OpenMMLab ``tools/train.py``:
 its core, forward and backward (CUDA; the default is the torch training Function,
 ``core='fast'``; ``linattn_mm.cli.set_attention_core``). ``--attn-core fused`` trains them with
 the fused cores (torch's products, the elementwise passes as Triton kernels; CUDA), and
-NaLaFormer's blocks with their depth-wise conv sums as Triton kernels (``ffn_core='fused'``).
+NaLaFormer's blocks with their depth-wise conv sums as Triton kernels (``ffn_core='fused'``) and
+every NaLa mixer with its gated output's LayerNorm and gate as Triton kernels
+(``gate_core='fused'``).
 
 ``--demo`` runs CONFIG on the generated demo data with the demo schedule (``linattn_mm.demo``).
 """
@@ -80,8 +82,11 @@ def main(argv=None):
     if args.attn_core:
         mixers = set_attention_core(runner.model, args.attn_core)
         blocks = sum(getattr(m, 'ffn_core', None) == 'fused' for m in runner.model.modules())
+        gates = sum(getattr(m, 'gate_core', None) == 'fused' for m in runner.model.modules())
         print(f'--attn-core: {mixers} Pola / NaLa mixers on core {args.attn_core!r}'
-              + (f', {blocks} NaLaFormer blocks with fused conv sums' if blocks else ''))
+              + (f', {blocks} NaLaFormer blocks with fused conv sums' if blocks else '')
+              + (f', {gates} NaLa mixers (softmax ones included) with fused gates'
+                 if gates else ''))
     try:
         with safe_globals():  # --resume / load_from: mmengine checkpoints hold HistoryBuffers
             runner.train()

@@ -95,6 +95,9 @@ def test_whole_nalaformers_train_on_the_fused_blocks(interpreted):
         assert interpreted[f'train NaLaFormer {name}, with_cp, fused blocks'] < 1e-5
         both = interpreted[f'train NaLaFormer {name}, with_cp, fused blocks and core']
         assert both < max(1e-5, 1.5 * baseline), (name, both, baseline)
+        # and every mixer's gated output fused too (ops.nala.gate_fused)
+        gates = interpreted[f'train NaLaFormer {name}, with_cp, fused blocks, core and gates']
+        assert gates < max(1e-5, 1.5 * baseline), (name, gates, baseline)
 
 
 def _block_step(blk, x):

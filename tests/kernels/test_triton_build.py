@@ -235,6 +235,22 @@ CONV_SUM_LAUNCHES = {'convffn': ['_conv_sum_kernel'] * 3, 'cpe': ['_conv_sum_ker
 
 
 @pytest.mark.parametrize('arch', sorted(GPUS))
+def test_the_fused_gate_is_small(builds, arch):
+    # NaLa's gated output (ops.nala.gate_fused), forward and backward: a tile of 1024 elements
+    # in float64 (2 tokens at C = 512); three pipeline stages with at most 8 KB of shared memory
+    # (the float64 row sums) on every GPU, no spills on Hopper
+    cases = {case: launches for case, launches in _cases(builds[arch]).items()
+             if case.startswith('fused gate ')}
+    assert set(cases) == {'fused gate c64 fp32', 'fused gate c512 bf16'}
+    for case, launches in cases.items():
+        assert [launch[0] for launch in launches] == ['_norm_gate_kernel',
+                                                      '_norm_gate_grads_kernel'], case
+        for name, stages, shared, spills, _ in launches:
+            assert stages == 3 and shared <= 8192, (case, name, stages, shared)
+            assert spills in (None, 0) if arch == 90 else spills is None, (case, name, spills)
+
+
+@pytest.mark.parametrize('arch', sorted(GPUS))
 def test_the_fused_conv_sums_are_small(builds, arch):
     # NaLaFormer blocks' conv sums and residual sums' backward (ops.ffn.fused) hold one tile of
     # the map: three pipeline stages with at most 4 KB of shared memory on every GPU, and on

@@ -246,8 +246,10 @@ def test_conv_sums_on_cuda(layout, dtype, C):
 
 def test_nalaformer_trains_on_cuda_with_fused_blocks(monkeypatch):
     """A training step of the released NaLaFormer layout on the fused blocks (their conv sums as
-    Triton kernels) and the fused NaLa core against the float64 reference forms: within the
-    float32 error of the same step in the default forms (or 1e-5)."""
+    Triton kernels) and the fused NaLa core, then with every mixer's fused gated output too,
+    against the float64 reference forms: each within the float32 error of the same step in the
+    default forms (or 1e-5)."""
+    from linattn_mm.models.attentions.nala import set_fused_gates
     from linattn_mm.models.backbones.nalaformer import set_fused_blocks
     monkeypatch.setattr(torch.backends.cudnn, 'allow_tf32', False)
     monkeypatch.setattr(torch.backends.cuda.matmul, 'allow_tf32', False)
@@ -258,8 +260,55 @@ def test_nalaformer_trains_on_cuda_with_fused_blocks(monkeypatch):
     x = torch.randn(2, 3, 4 * GRID[0], 4 * GRID[1], device='cuda')
     baseline = train_vs_reference(copy.deepcopy(net), NormAwareLinearAttention, x, core='fast')
     assert set_fused_blocks(net, True) == 4
+    err = train_vs_reference(copy.deepcopy(net), NormAwareLinearAttention, x, core='fused')
+    assert err < max(1e-5, 1.5 * baseline), (err, baseline)
+    assert set_fused_gates(net, True) == 4  # the NaLa and softmax mixers' gated output
     err = train_vs_reference(net, NormAwareLinearAttention, x, core='fused')
     assert err < max(1e-5, 1.5 * baseline), (err, baseline)
+
+
+@pytest.mark.parametrize('C', [64, 512])
+def test_norm_gate_on_cuda(monkeypatch, C):
+    """NaLa's gated output with its LayerNorm and gate fused (ops.nala.gate_fused) on CUDA:
+    float32 against float64 plain autograd (output and every gradient) within 1e-5; under bf16
+    autocast the output within a unit of bf16 (relative to its largest) of the torch form's and
+    every gradient within 1.05x the torch form's error against float64."""
+    import torch.nn.functional as F
+
+    from linattn_mm.ops.lean_layers import NormGatedLinear
+    from linattn_mm.ops.nala.gate_fused import NormGatedLinearFused
+    monkeypatch.setattr(torch.backends.cuda.matmul, 'allow_tf32', False)
+    g0 = seeded('norm_gate', C)
+    B, N = 2, GRID[0] * GRID[1]
+    s = torch.randn(B, N, C, device='cuda', generator=g0) * 3 + 1
+    proj = torch.randn(B, N, 4 * C, device='cuda', generator=g0) * 2  # g: C of its channels
+    lw, lb = (torch.randn(C, device='cuda', generator=g0) for _ in range(2))
+    w = torch.randn(C, C, device='cuda', generator=g0) / C ** 0.5
+    b = torch.randn(C, device='cuda', generator=g0)
+    grad = torch.randn(B, N, C, device='cuda', generator=g0)
+
+    def step(fn, dtype=torch.float32, autocast=False, g_dtype=None):
+        leaves = [t.detach().to(dtype).clone().requires_grad_() for t in (s, lw, lb, proj, w, b)]
+        if g_dtype is not None:
+            leaves[3] = proj.detach().to(g_dtype).requires_grad_()
+        ins = leaves[:3] + [leaves[3][..., C:2 * C]] + leaves[4:]  # rows 4C apart
+        with torch.autocast('cuda', dtype=torch.bfloat16, enabled=autocast):
+            if fn is None:
+                y = F.linear(F.layer_norm(ins[0], (C, ), ins[1], ins[2], 1e-5)
+                             * F.silu(ins[3]), ins[4], ins[5])
+            else:
+                y = fn.apply(ins[0], ins[1], ins[2], 1e-5, ins[3], ins[4], ins[5])
+        y.backward(grad.to(y.dtype))
+        return [y] + [t.grad for t in leaves]
+
+    want = step(None, torch.float64)
+    for got, ref in zip(step(NormGatedLinearFused), want):
+        assert rel(got, ref) < 1e-5
+    fused = step(NormGatedLinearFused, autocast=True, g_dtype=torch.bfloat16)
+    plain = step(NormGatedLinear, autocast=True, g_dtype=torch.bfloat16)
+    assert rel(fused[0], plain[0]) <= 2 ** -7
+    for a, p, ref in zip(fused[1:], plain[1:], want[1:]):
+        assert rel(a, ref) <= 1.05 * rel(p, ref) + 1e-6
 
 
 def _converted_vs_reference(net, mixer_cls, x, monkeypatch):

@@ -10,7 +10,8 @@ pipeline stages to ``LIMIT`` as on that GPU. Each core runs forward and backward
 several head dims, dtypes and options, two of them with the products on the tensor cores
 (``tf32x3``; nothing is computed: the outputs are empty buffers), and so do the fused cores
 (cases ``fused ...``: their elementwise kernels), and the conv sums of NaLaFormer's blocks
-(cases ``fused convffn ...``, ``fused cpe ...``, ``fused residual ...``). Prints
+(cases ``fused convffn ...``, ``fused cpe ...``, ``fused residual ...``) and NaLa's fused
+gated output (``fused gate ...``). Prints
 a JSON list, one entry per kernel launched: ``[case, kernel, stages, shared bytes, spill stores
 in bytes or None, compile seconds]``, or ``[case, 'error', message]`` for a case that raised. The
 seconds are those of Triton's compiler and ``ptxas`` for that launch, the stage fitting's
@@ -119,6 +120,7 @@ def main():
     from linattn_mm.models.backbones.nalaformer import ConvFFN
     from linattn_mm.ops.ffn.fused import ConvResidualFused, ScaledAddFused, conv_ffn_branch_fused
     from linattn_mm.ops.nala.fused import nala_attention_fused
+    from linattn_mm.ops.nala.gate_fused import NormGatedLinearFused
     from linattn_mm.ops.pola.fused import polarity_attention_fused
     from linattn_mm.ops.pola.triton import polarity_attention_triton
 
@@ -163,6 +165,14 @@ def main():
         b = torch.randn(2, 9, 13, width, dtype=dtype).permute(0, 3, 1, 2).requires_grad_()
         return ScaledAddFused.apply(x, b, torch.ones(1, width, 1, 1, requires_grad=True), None)
 
+    def gate(width, dtype, _):  # NaLa's gated output: s float32, g as the projection gives it
+        s = torch.randn(2, 77, width, requires_grad=True)
+        g = torch.randn(2, 77, width, dtype=dtype, requires_grad=True)
+        norm, lin = torch.nn.LayerNorm(width), torch.nn.Linear(width, width)
+        with torch.autocast('cpu', dtype=torch.bfloat16, enabled=dtype != torch.float32):
+            return NormGatedLinearFused.apply(s, norm.weight, norm.bias, 1e-5, g, lin.weight,
+                                              lin.bias)
+
     cases = {}
     for d in (12, 32, 64):
         cases[f'pola d{d} fp32 pe+temperature'] = (pola, d, torch.float32, True)
@@ -189,6 +199,10 @@ def main():
         cases[f'fused convffn c{width} {name}'] = (conv_ffn, width, dtype, None)
         cases[f'fused cpe c{width} {name}'] = (cpe, width, dtype, None)
         cases[f'fused residual c{width} {name}'] = (residual, width, dtype, None)
+    # NaLa's gated output (ops.nala.gate_fused): stage 1's width in float32, stage 4's in bf16
+    for width, dtype in ((64, torch.float32), (512, torch.bfloat16)):
+        cases[f'fused gate c{width} {"fp32" if dtype == torch.float32 else "bf16"}'] = (
+            gate, width, dtype, None)
     results = []
     for case, (fn, d, dtype, flag) in cases.items():
         del LAUNCHED[:]

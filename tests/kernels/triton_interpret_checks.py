@@ -4,7 +4,8 @@ set before the kernels are defined). Arguments: ``pola``, ``pola-grad`` (the Pol
 backward: the gradients of the core, of modules and of a backbone), ``pola-fused`` (the same
 gradients with the fused Pola core, :mod:`linattn_mm.ops.pola.fused`), ``nala`` and / or
 ``nala-grad`` and ``nala-fused`` (the same for NaLa), ``conv-fused`` (NaLaFormer blocks' conv
-sums, :mod:`linattn_mm.ops.ffn.fused`) (default ``pola`` and ``nala``). Prints one
+sums, :mod:`linattn_mm.ops.ffn.fused`), ``gate-fused`` (NaLa's gated output,
+:mod:`linattn_mm.ops.nala.gate_fused`) (default ``pola`` and ``nala``). Prints one
 JSON object: case name -> relative error against the float64 reference."""
 import copy
 import functools
@@ -186,6 +187,8 @@ def train_vs_reference(net, mixer_cls, *inputs, core='triton'):
             m.core = 'reference'
         if getattr(m, 'ffn_core', None) == 'fused':  # NaLaFormer blocks: their plain modules
             m.ffn_core = 'reference'
+        if getattr(m, 'gate_core', None) == 'fused':  # NaLa mixers' gated output: torch's
+            m.gate_core = 'fast'
     errs = []
     weights = None
     for model, cast in ((net, torch.float32), (ref, torch.float64)):
@@ -360,6 +363,7 @@ def run_conv_sums(res):
     the ConvFFN and CPE Functions' gradients against plain autograd of the modules in float64;
     under bf16 autocast against the blocks' default form; whole NaLaFormers on the fused blocks
     and the fused NaLa core against the float64 reference."""
+    from linattn_mm.models.attentions.nala import set_fused_gates
     from linattn_mm.models.backbones.nalaformer import ConvFFN, NaLaBlock, set_fused_blocks
     from linattn_mm.ops.ffn.fused import ConvResidualFused, conv_ffn_branch_fused, conv_sum
     g = torch.Generator().manual_seed(7)
@@ -536,7 +540,78 @@ def run_conv_sums(res):
         res[f'train NaLaFormer {name}, with_cp, fused blocks'] = train_vs_reference(
             copy.deepcopy(net), NormAwareLinearAttention, x, core='fast')
         res[f'train NaLaFormer {name}, with_cp, fused blocks and core'] = train_vs_reference(
-            net, NormAwareLinearAttention, x, core='fused')
+            copy.deepcopy(net), NormAwareLinearAttention, x, core='fused')
+        set_fused_gates(net, True)  # every mixer's gated output (softmax ones included)
+        res[f'train NaLaFormer {name}, with_cp, fused blocks, core and gates'] = \
+            train_vs_reference(net, NormAwareLinearAttention, x, core='fused')
+
+
+def run_norm_gate(res):
+    """NaLa's gated output with its LayerNorm and gate fused (linattn_mm.ops.nala.gate_fused):
+    the Function against plain autograd in float64; under bf16 autocast against the torch form
+    and float64; the two NaLa mixers with gate_core='fused' against float64 on their reference
+    cores."""
+    import torch.nn.functional as F
+
+    from linattn_mm.models.attentions.nala import NaLaSoftmaxAttention
+    from linattn_mm.ops.lean_layers import NormGatedLinear
+    from linattn_mm.ops.nala.gate_fused import NormGatedLinearFused
+    g0 = torch.Generator().manual_seed(11)
+
+    def step(fn, s, proj, lw, lb, w, b, grad, needs, autocast=False):
+        # g: C channels of the (..., 4C) projection ``proj`` (rows 4C apart), whose gradient is
+        # the one returned
+        leaves = [t.detach().clone().requires_grad_(n)
+                  for t, n in zip((s, lw, lb, proj, w, b), needs)]
+        C = s.shape[-1]
+        ins = leaves[:3] + [leaves[3][..., C:2 * C]] + leaves[4:]
+        with torch.autocast('cpu', dtype=torch.bfloat16, enabled=autocast):
+            if fn is None:  # plain autograd, the oracle
+                y = F.linear(F.layer_norm(ins[0], (s.shape[-1], ), ins[1], ins[2], 1e-5)
+                             * F.silu(ins[3]), ins[4], ins[5])
+            else:
+                y = fn.apply(ins[0], ins[1], ins[2], 1e-5, ins[3], ins[4], ins[5])
+        y.backward(grad.to(y.dtype))
+        return [y] + [t.grad if n else None for t, n in zip(leaves, needs)]
+
+    names = ('output', 's', 'ln weight', 'ln bias', 'g (whole projection)', 'weight', 'bias')
+    # tokens x channels: one tile, many tiles and chunks, C = 512, C not a power of two and an
+    # output narrower than the input; the LayerNorm frozen and s without a gradient
+    for B, N, C, Co, needs in ((2, 37, 24, 24, (True,) * 6), (1, 3000, 64, 64, (True,) * 6),
+                               (2, 50, 512, 512, (True,) * 6),
+                               (1, 10, 6, 5, (False, False, False, True, True, True))):
+        s = torch.randn(B, N, C, generator=g0) * 3 + 1
+        g = torch.randn(B, N, 4 * C, generator=g0) * 2  # the projection
+        lw, lb = torch.randn(C, generator=g0), torch.randn(C, generator=g0)
+        w, b = torch.randn(Co, C, generator=g0) / C ** 0.5, torch.randn(Co, generator=g0)
+        grad = torch.randn(B, N, Co, generator=g0)
+        got = step(NormGatedLinearFused, s, g, lw, lb, w, b, grad, needs)
+        want = step(None, *(t.double() for t in (s, g, lw, lb, w, b, grad)), needs)
+        assert all((a is None) == (c is None) for a, c in zip(got, want))
+        res[f'gate fp32 C{C}'] = max(rel(a, c) for a, c in zip(got, want) if c is not None)
+    # under bf16 autocast (g in bf16, as the projection gives it): the output against the torch
+    # form's, each gradient's error against float64 with the torch form's beside it
+    B, N, C = 2, 300, 64
+    s = torch.randn(B, N, C, generator=g0) * 3 + 1
+    g = (torch.randn(B, N, 4 * C, generator=g0) * 2).bfloat16()  # the projection, bf16
+    lw, lb = torch.randn(C, generator=g0), torch.randn(C, generator=g0)
+    w, b = torch.randn(C, C, generator=g0) / C ** 0.5, torch.randn(C, generator=g0)
+    grad = torch.randn(B, N, C, generator=g0)
+    fused = step(NormGatedLinearFused, s, g, lw, lb, w, b, grad, (True,) * 6, autocast=True)
+    plain = step(NormGatedLinear, s, g, lw, lb, w, b, grad, (True,) * 6, autocast=True)
+    want = step(None, *(t.double() for t in (s, g, lw, lb, w, b, grad)), (True,) * 6)
+    assert [t.dtype for t in fused] == [t.dtype for t in plain]
+    res['gate bf16: output against the torch form'] = rel(fused[0], plain[0])
+    for name, a, p, c in zip(names, fused, plain, want):
+        res[f'gate bf16 {name}: fused'] = rel(a, c)
+        res[f'gate bf16 {name}: torch form'] = rel(p, c)
+    # the mixers with their gated output fused (NaLa on its fused core too) in float32
+    x = torch.randn(2, 12 * 10, 32, generator=g0)
+    for cls, core in ((NormAwareLinearAttention, 'fused'), (NaLaSoftmaxAttention, 'fast')):
+        torch.manual_seed(0)
+        m = cls(32, 2).train()
+        m.gate_core = 'fused'
+        res[f'gate train {cls.__name__}'] = train_vs_reference(m, cls, x, (12, 10), core=core)
 
 
 if __name__ == '__main__':
@@ -559,4 +634,6 @@ if __name__ == '__main__':
         run_nala_grads(results, fused=True)
     if 'conv-fused' in which:
         run_conv_sums(results)
+    if 'gate-fused' in which:
+        run_norm_gate(results)
     json.dump(results, sys.stdout)

@@ -75,7 +75,7 @@ from linattn_mm.registry import ATTENTIONS
 from .base import BaseTokenMixer
 
 __all__ = ['RoPE2d', 'apply_rope', 'NaLaMixerBase', 'NormAwareLinearAttention',
-           'NaLaSoftmaxAttention']
+           'NaLaSoftmaxAttention', 'GATE_CORES', 'set_fused_gates']
 
 
 class RoPE2d(nn.Module):
@@ -117,11 +117,21 @@ class RoPE2d(nn.Module):
         return f'head_dims={self.head_dims}'
 
 
+#: ``gate_core`` names of the NaLa mixers' gated output (:meth:`NaLaMixerBase.gated_output`)
+GATE_CORES = ('fast', 'fused')
+
+
 class NaLaMixerBase(BaseTokenMixer):
     """Base class of NaLaFormer's two attention mixers: the shared parameters (keys ``qkvg``,
     ``lepe``, ``ln``, ``out_proj``), the projection with the LePE term and the gated output
-    ``out_proj(LN(out + LePE(v)) * SiLU(g))``."""
+    ``out_proj(LN(out + LePE(v)) * SiLU(g))``.
+
+    Attribute ``gate_core`` (:data:`GATE_CORES`): the gated output's training form, ``'fast'``
+    (default) or ``'fused'`` (its LayerNorm and gate as Triton kernels, CUDA:
+    :mod:`linattn_mm.ops.nala.gate_fused`; set by :func:`set_fused_gates`, which
+    ``--attn-core fused`` calls). A mixer on ``core='reference'`` runs it step by step."""
     supports_extra_tokens = False
+    gate_core = 'fast'
 
     def _build_common(self, embed_dims, qkv_bias, lepe_kernel_size, proj_drop, use_rope,
                       rope_base, use_lepe=True):
@@ -205,7 +215,9 @@ class NaLaMixerBase(BaseTokenMixer):
         ``out_proj(LN(out) * SiLU(g))``) of the (B, h, N, d) core output: LN and gate in
         the core dtype with autocast off, ``out_proj`` under the caller's autocast. With
         ``core='reference'`` step by step; otherwise :class:`~linattn_mm.ops.lean_layers.
-        NormGatedLinear`, which keeps ``out + lepe`` and ``g`` only for backward."""
+        NormGatedLinear`, which keeps ``out + lepe`` and ``g`` only for backward, with
+        ``gate_core='fused'`` its LayerNorm and gate as one Triton kernel each way
+        (:mod:`linattn_mm.ops.nala.gate_fused`)."""
         B, h, N, d = out.shape
         s = out.transpose(1, 2).reshape(B, N, h * d)
         if lepe is not None:
@@ -214,7 +226,10 @@ class NaLaMixerBase(BaseTokenMixer):
         if self.core != 'reference' and type(self.act) is nn.SiLU:
             if not autocast_on(s.device):
                 s, g = s.to(self.out_proj.weight.dtype), g.to(self.out_proj.weight.dtype)
-            return self.proj_drop(NormGatedLinear.apply(
+            gated = NormGatedLinear.apply
+            if check_core(f'{type(self).__name__} gate', self.gate_core, GATE_CORES) == 'fused':
+                from linattn_mm.ops.nala.gate_fused import norm_gated_linear_fused as gated
+            return self.proj_drop(gated(
                 s, ln.weight.to(s.dtype), ln.bias.to(s.dtype), ln.eps, g, self.out_proj.weight,
                 self.out_proj.bias))
         with no_autocast(s.device):
@@ -411,3 +426,13 @@ class NaLaSoftmaxAttention(NaLaMixerBase):
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.attn_drop if self.training else 0., scale=self.scale)
         return self.gated_output(out.to(v.dtype), lepe, g)
+
+
+def set_fused_gates(model, fused):
+    """Put the gated output of every NaLa mixer (:class:`NormAwareLinearAttention`,
+    :class:`NaLaSoftmaxAttention`) of ``model`` on ``gate_core='fused'`` (``fused`` True: its
+    LayerNorm and gate as Triton kernels) or back to ``'fast'``; returns how many are on it."""
+    mixers = [m for m in model.modules() if isinstance(m, NaLaMixerBase)]
+    for m in mixers:
+        m.gate_core = 'fused' if fused else 'fast'
+    return sum(m.gate_core == 'fused' for m in mixers)
