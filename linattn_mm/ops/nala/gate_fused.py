@@ -24,7 +24,7 @@ float32 where it is half precision). The float32 error of a whole NaLaFormer's t
 against float64 (the small NaLaFormers of ``tests/kernels/test_conv_sums_fused.py``, both
 layouts, four initialisations each) stayed within that test's bound (1.5× the default forms'
 error, or 1e-5) in all eight runs: 0.7-1.9× the default forms' error (the torch gate: 0.8-1.7×);
-with the kernels' steps in float32 two of the eight broke it (1.6×). These whole-network figures
+with the kernels' steps in float32 the test's own initialisation broke it (1.58×). These figures
 are the float32 noise of a bias gradient summed over many tokens; the Function alone is within
 4e-7 of float64. The kernels stay memory-bound on GPUs with full-rate float64 (A100, H100,
 H200); on GPUs whose float64 runs at 1/32 to 1/64 of float32 their arithmetic may take about as
