@@ -23,7 +23,7 @@ from linattn_mm.models.backbones.nalaformer import NaLaFormer
 from linattn_mm.ops import dispatch
 from linattn_mm.ops.dispatch import triton_module
 from linattn_mm.ops.pola.reference import polarity_attention_reference
-from kernels.triton_interpret_checks import randomise_pola_, train_vs_reference
+from kernels.triton_interpret_checks import norm_gate_step, randomise_pola_, train_vs_reference
 from oracles.nala import nala_reference_core
 
 pytestmark = [
@@ -273,8 +273,6 @@ def test_norm_gate_on_cuda(monkeypatch, C):
     float32 against float64 plain autograd (output and every gradient) within 1e-5; under bf16
     autocast the output within a unit of bf16 (relative to its largest) of the torch form's and
     every gradient within 1.05x the torch form's error against float64."""
-    import torch.nn.functional as F
-
     from linattn_mm.ops.lean_layers import NormGatedLinear
     from linattn_mm.ops.nala.gate_fused import NormGatedLinearFused
     monkeypatch.setattr(torch.backends.cuda.matmul, 'allow_tf32', False)
@@ -287,25 +285,13 @@ def test_norm_gate_on_cuda(monkeypatch, C):
     b = torch.randn(C, device='cuda', generator=g0)
     grad = torch.randn(B, N, C, device='cuda', generator=g0)
 
-    def step(fn, dtype=torch.float32, autocast=False, g_dtype=None):
-        leaves = [t.detach().to(dtype).clone().requires_grad_() for t in (s, lw, lb, proj, w, b)]
-        if g_dtype is not None:
-            leaves[3] = proj.detach().to(g_dtype).requires_grad_()
-        ins = leaves[:3] + [leaves[3][..., C:2 * C]] + leaves[4:]  # rows 4C apart
-        with torch.autocast('cuda', dtype=torch.bfloat16, enabled=autocast):
-            if fn is None:
-                y = F.linear(F.layer_norm(ins[0], (C, ), ins[1], ins[2], 1e-5)
-                             * F.silu(ins[3]), ins[4], ins[5])
-            else:
-                y = fn.apply(ins[0], ins[1], ins[2], 1e-5, ins[3], ins[4], ins[5])
-        y.backward(grad.to(y.dtype))
-        return [y] + [t.grad for t in leaves]
-
-    want = step(None, torch.float64)
-    for got, ref in zip(step(NormGatedLinearFused), want):
+    args = (s, proj, lw, lb, w, b, grad)
+    want = norm_gate_step(None, *(t.double() for t in args))
+    for got, ref in zip(norm_gate_step(NormGatedLinearFused, *args), want):
         assert rel(got, ref) < 1e-5
-    fused = step(NormGatedLinearFused, autocast=True, g_dtype=torch.bfloat16)
-    plain = step(NormGatedLinear, autocast=True, g_dtype=torch.bfloat16)
+    half = (s, proj.bfloat16(), lw, lb, w, b, grad)  # g as the projection gives it under autocast
+    fused = norm_gate_step(NormGatedLinearFused, *half, autocast=True)
+    plain = norm_gate_step(NormGatedLinear, *half, autocast=True)
     assert rel(fused[0], plain[0]) <= 2 ** -7
     for a, p, ref in zip(fused[1:], plain[1:], want[1:]):
         assert rel(a, ref) <= 1.05 * rel(p, ref) + 1e-6

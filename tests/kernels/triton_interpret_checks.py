@@ -546,33 +546,36 @@ def run_conv_sums(res):
             train_vs_reference(net, NormAwareLinearAttention, x, core='fused')
 
 
+def norm_gate_step(fn, s, proj, lw, lb, w, b, grad, needs=(True, ) * 6, autocast=False):
+    """A training step of ``linear(layer_norm(s) * silu(g), w, b)`` through the Function ``fn``
+    (None: plain autograd, the oracle), ``g`` the C channels ``[C:2C]`` of the (..., 4C)
+    projection ``proj`` (rows 4C apart), the leaves those of ``needs`` (s, lw, lb, proj, w, b),
+    under bf16 autocast on s's device with ``autocast``; returns the output and the leaves'
+    gradients (None where not needed; proj's: the whole projection's)."""
+    import torch.nn.functional as F
+    leaves = [t.detach().clone().requires_grad_(n)
+              for t, n in zip((s, lw, lb, proj, w, b), needs)]
+    C = s.shape[-1]
+    ins = leaves[:3] + [leaves[3][..., C:2 * C]] + leaves[4:]
+    with torch.autocast(s.device.type, dtype=torch.bfloat16, enabled=autocast):
+        if fn is None:
+            y = F.linear(F.layer_norm(ins[0], (C, ), ins[1], ins[2], 1e-5) * F.silu(ins[3]),
+                         ins[4], ins[5])
+        else:
+            y = fn.apply(ins[0], ins[1], ins[2], 1e-5, ins[3], ins[4], ins[5])
+    y.backward(grad.to(y.dtype))
+    return [y] + [t.grad if n else None for t, n in zip(leaves, needs)]
+
+
 def run_norm_gate(res):
     """NaLa's gated output with its LayerNorm and gate fused (linattn_mm.ops.nala.gate_fused):
     the Function against plain autograd in float64; under bf16 autocast against the torch form
     and float64; the two NaLa mixers with gate_core='fused' against float64 on their reference
     cores."""
-    import torch.nn.functional as F
-
     from linattn_mm.models.attentions.nala import NaLaSoftmaxAttention
     from linattn_mm.ops.lean_layers import NormGatedLinear
     from linattn_mm.ops.nala.gate_fused import NormGatedLinearFused
     g0 = torch.Generator().manual_seed(11)
-
-    def step(fn, s, proj, lw, lb, w, b, grad, needs, autocast=False):
-        # g: C channels of the (..., 4C) projection ``proj`` (rows 4C apart), whose gradient is
-        # the one returned
-        leaves = [t.detach().clone().requires_grad_(n)
-                  for t, n in zip((s, lw, lb, proj, w, b), needs)]
-        C = s.shape[-1]
-        ins = leaves[:3] + [leaves[3][..., C:2 * C]] + leaves[4:]
-        with torch.autocast('cpu', dtype=torch.bfloat16, enabled=autocast):
-            if fn is None:  # plain autograd, the oracle
-                y = F.linear(F.layer_norm(ins[0], (s.shape[-1], ), ins[1], ins[2], 1e-5)
-                             * F.silu(ins[3]), ins[4], ins[5])
-            else:
-                y = fn.apply(ins[0], ins[1], ins[2], 1e-5, ins[3], ins[4], ins[5])
-        y.backward(grad.to(y.dtype))
-        return [y] + [t.grad if n else None for t, n in zip(leaves, needs)]
 
     names = ('output', 's', 'ln weight', 'ln bias', 'g (whole projection)', 'weight', 'bias')
     # tokens x channels: one tile, many tiles and chunks, C = 512, C not a power of two and an
@@ -585,8 +588,8 @@ def run_norm_gate(res):
         lw, lb = torch.randn(C, generator=g0), torch.randn(C, generator=g0)
         w, b = torch.randn(Co, C, generator=g0) / C ** 0.5, torch.randn(Co, generator=g0)
         grad = torch.randn(B, N, Co, generator=g0)
-        got = step(NormGatedLinearFused, s, g, lw, lb, w, b, grad, needs)
-        want = step(None, *(t.double() for t in (s, g, lw, lb, w, b, grad)), needs)
+        got = norm_gate_step(NormGatedLinearFused, s, g, lw, lb, w, b, grad, needs)
+        want = norm_gate_step(None, *(t.double() for t in (s, g, lw, lb, w, b, grad)), needs)
         assert all((a is None) == (c is None) for a, c in zip(got, want))
         res[f'gate fp32 C{C}'] = max(rel(a, c) for a, c in zip(got, want) if c is not None)
     # under bf16 autocast (g in bf16, as the projection gives it): the output against the torch
@@ -597,9 +600,9 @@ def run_norm_gate(res):
     lw, lb = torch.randn(C, generator=g0), torch.randn(C, generator=g0)
     w, b = torch.randn(C, C, generator=g0) / C ** 0.5, torch.randn(C, generator=g0)
     grad = torch.randn(B, N, C, generator=g0)
-    fused = step(NormGatedLinearFused, s, g, lw, lb, w, b, grad, (True,) * 6, autocast=True)
-    plain = step(NormGatedLinear, s, g, lw, lb, w, b, grad, (True,) * 6, autocast=True)
-    want = step(None, *(t.double() for t in (s, g, lw, lb, w, b, grad)), (True,) * 6)
+    fused = norm_gate_step(NormGatedLinearFused, s, g, lw, lb, w, b, grad, autocast=True)
+    plain = norm_gate_step(NormGatedLinear, s, g, lw, lb, w, b, grad, autocast=True)
+    want = norm_gate_step(None, *(t.double() for t in (s, g, lw, lb, w, b, grad)))
     assert [t.dtype for t in fused] == [t.dtype for t in plain]
     res['gate bf16: output against the torch form'] = rel(fused[0], plain[0])
     for name, a, p, c in zip(names, fused, plain, want):

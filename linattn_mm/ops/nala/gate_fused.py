@@ -203,6 +203,12 @@ def _(s, g, u, ln_w, ln_b, eps, y_dtype, need_y, need_dg, need_ds, need_ln):
     return _grads_outputs(s, g, y_dtype, (need_y, need_dg, need_ds, need_ln))[0]
 
 
+def _kernels_take(s, g):
+    """Whether the kernels take ``s`` and ``g`` by their dtypes: ``s`` float32, ``g`` float32,
+    bfloat16 or float16."""
+    return s.dtype == torch.float32 and g.dtype in TRITON_DTYPES
+
+
 def _rows_view(t):
     """``t`` (..., C) as (T, C) rows with contiguous channels (a copy only where needed)."""
     t2 = t.reshape(-1, t.shape[-1])
@@ -215,7 +221,7 @@ class NormGatedLinearFused(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, s, ln_w, ln_b, eps, g, weight, bias):
-        if s.dtype != torch.float32 or g.dtype not in TRITON_DTYPES:
+        if not _kernels_take(s, g):
             raise ValueError(f'NormGatedLinearFused: s must be float32 and g float32, bfloat16 '
                              f'or float16, got {s.dtype} and {g.dtype} (norm_gated_linear_fused '
                              f'takes other dtypes through the torch form)')
@@ -253,7 +259,6 @@ def norm_gated_linear_fused(s, ln_w, ln_b, eps, g, weight, bias):
     where the kernels take it (``s`` float32, ``g`` float32 / bfloat16 / float16, a LayerNorm
     with weight and bias, a map with tokens), else through
     :class:`~linattn_mm.ops.lean_layers.NormGatedLinear`."""
-    if (s.dtype != torch.float32 or g.dtype not in TRITON_DTYPES or ln_w is None
-            or ln_b is None or s.numel() == 0):
+    if not _kernels_take(s, g) or ln_w is None or ln_b is None or s.numel() == 0:
         return NormGatedLinear.apply(s, ln_w, ln_b, eps, g, weight, bias)
     return NormGatedLinearFused.apply(s, ln_w, ln_b, eps, g, weight, bias)
