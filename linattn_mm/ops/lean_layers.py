@@ -36,8 +36,8 @@ from torch.utils.checkpoint import checkpoint
 
 from linattn_mm.utils.autocast_meta import (meta_autocast_as, meta_autocast_dtype,
                                             meta_autocast_enabled)
-from .common import (add_or_take, kept_input, linear_into, no_autocast, promote_types,
-                     token_chunk_rows, token_gram)
+from .common import (add_or_take, autocast_dtype, kept_input, linear_into, no_autocast,
+                     promote_types, token_chunk_rows, token_gram)
 from .common import in_dtype_of as _to
 
 __all__ = ['DepthwiseConvTokens', 'depthwise_conv_tokens', 'GatedLinear', 'NormGatedLinear',
@@ -328,14 +328,24 @@ class SplitLinear(torch.autograd.Function):
     GEMM for the input, one product over the tokens for the weight and one sum for the bias, as
     plain autograd's: six operations in all (with the product in parts: a batched GEMM and its
     sum), where each part took eight (``docs/benchmarks.md``, "Operations per training
-    step")."""
+    step").
+
+    Kept for backward: the input as the product reads it, under autocast its cast to the
+    autocast dtype (made here, where autocast would make it inside ``linear``), not the input:
+    half the memory of a float32 input, and the weight's gradient takes it as it is where it
+    would cast the input again."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, parts, rows=None):
         C_in = x.shape[-1]
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         x2 = x.reshape(-1, C_in)
         T = x2.shape[0]
         step = token_chunk_rows('SplitLinear', x, x.shape[-1], rows)
+        low = autocast_dtype(x.device)
+        kept = x
+        if low is not None and x.dtype not in (low, torch.float64):
+            x2 = kept = x2.to(low)  # autocast's own cast of the input (not of float64)
         if step >= T:
             y = F.linear(x2, weight, bias)
         else:  # (CPU, float32 / float64, no autocast) each chunk written in place
@@ -343,33 +353,34 @@ class SplitLinear(torch.autograd.Function):
             for i in range(0, T, step):
                 linear_into(x2[i:i + step], weight, bias, y[i:i + step])
         ctx.parts, ctx.has_bias, ctx.rows = parts, bias is not None, step
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(kept, weight)
         y = y.view(*x.shape[:-1], y.shape[-1])
         return y.unflatten(-1, (parts, y.shape[-1] // parts)).unbind(-2)
 
     @staticmethod
     def backward(ctx, *grads):
-        x, weight = ctx.saved_tensors
+        kept, weight = ctx.saved_tensors
         need = ctx.needs_input_grad
-        C_in = x.shape[-1]
+        x_shape, x_dtype = ctx.x_shape, ctx.x_dtype
+        C_in = kept.shape[-1]
+        x2 = kept.reshape(-1, C_in)
         live = [(i, g) for i, g in enumerate(grads) if g is not None]
         if not live:
             return None, None, None, None, None
         dt = live[0][1].dtype
         rows = weight.shape[0] // ctx.parts
         w = weight.to(dt)
-        x2 = x.reshape(-1, C_in)
         T = x2.shape[0]
         want_w = need[1]
         want_b = ctx.has_bias and need[2]
         step = ctx.rows
         if step >= T and len(live) == ctx.parts:  # one chunk: the joined gradient map
             g = torch.cat([g for _, g in live], dim=-1).view(T, -1)  # as plain autograd's
-            dx = torch.mm(g, w).view(x.shape).to(x.dtype) if need[0] else None
+            dx = torch.mm(g, w).view(x_shape).to(x_dtype) if need[0] else None
             dw = token_gram(g, x2.to(dt)) if want_w else None
             db = g.sum(0) if want_b else None
             return dx, _to(dw, weight), _to(db, weight), None, None
-        dx = torch.empty(T, C_in, dtype=dt, device=x.device) if need[0] else None
+        dx = torch.empty(T, C_in, dtype=dt, device=x2.device) if need[0] else None
         dw = torch.zeros_like(weight, dtype=dt) if want_w else None
         db = torch.zeros(weight.shape[0], dtype=dt, device=weight.device) if want_b else None
         live = [(i, g.reshape(T, -1)) for i, g in live]
@@ -390,7 +401,7 @@ class SplitLinear(torch.autograd.Function):
                 if want_b:
                     db[part] += g_c.sum(0)
         if dx is not None:
-            dx = dx.view(x.shape).to(x.dtype)
+            dx = dx.view(x_shape).to(x_dtype)
         return dx, _to(dw, weight), _to(db, weight), None, None
 
 

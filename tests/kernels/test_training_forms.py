@@ -460,6 +460,44 @@ def test_split_linear(dtype, bias, parts, used):
             assert a.dtype == c.dtype and rel(a, c) < TOL[dtype]
 
 
+def test_split_linear_keeps_the_autocast_cast_of_its_input():
+    """Under CPU bf16 autocast the split projection keeps for backward the bfloat16 cast of its
+    float32 input (the one autocast makes for the product), not the input: its outputs and
+    gradients are those of plain autograd under autocast, bit for bit, with and without
+    gradients for every part. A float64 input, which autocast leaves as it is, is kept as it
+    is."""
+    from linattn_mm.ops.lean_layers import SplitLinear
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 40, 16, generator=g)
+    w, b = torch.randn(4 * 8, 16, generator=g), torch.randn(4 * 8, generator=g)
+    weights = [torch.randn(2, 40, 8, generator=g) for _ in range(4)]
+
+    def run(split, used, dtype=torch.float32):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (x, w, b)]
+        kept = []
+
+        def pack(t):
+            kept.append((t.dtype, tuple(t.shape)))
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast('cpu', dtype=torch.bfloat16):
+                outs = split(*leaves)
+        sum((outs[i].float() * weights[i]).sum() for i in used).backward()
+        return outs, [t.grad for t in leaves], kept
+
+    for used in ((0, 1, 2, 3), (1, 3)):
+        got, got_g, kept = run(lambda x, w, b: SplitLinear.apply(x, w, b, 4), used)
+        assert kept == [(torch.bfloat16, (80, 16)), (torch.float32, (32, 16))]
+        want, want_g, _ = run(
+            lambda x, w, b: F.linear(x, w, b).unflatten(-1, (4, 8)).unbind(-2), used)
+        assert all(a.dtype == torch.bfloat16 and torch.equal(a, c) for a, c in zip(got, want))
+        for a, c in zip(got_g, want_g):
+            assert a.dtype == c.dtype == torch.float32 and torch.equal(a, c)
+    _, got_g, kept = run(lambda x, w, b: SplitLinear.apply(x, w, b, 4), (0, 1), torch.float64)
+    assert kept == [(torch.float64, (2, 40, 16)), (torch.float64, (32, 16))]
+    assert all(t.dtype == torch.float64 for t in got_g)
+
+
 def test_depthwise_conv_under_autocast_returns_the_autocast_dtype_in_bands_and_in_one():
     """Under CPU bf16 autocast with a float32 kernel the conv runs in bfloat16, and both forward
     forms return it in bfloat16, as the plain conv."""
