@@ -43,6 +43,15 @@ def test_fused_core_and_its_gradients_equal_the_reference(interpreted):
         assert err < tol, f'{name}: relative error {err:.3g}'
 
 
+def test_fused_core_writes_its_result_in_the_callers_dtype(interpreted):
+    # out_dtype bf16 (fp16 for the fp16 case): the result is the float32 result rounded once, as
+    # the division writes it, and a gradient given in that dtype is read as it is: the
+    # gradients are those of the same values given in float32, bit for bit
+    res = {k: v for k, v in interpreted.items() if k.startswith('outdtype ')}
+    assert len(res) == 40
+    assert all(err == 0 for err in res.values()), res
+
+
 def test_training_steps_on_the_fused_core_equal_the_reference(interpreted):
     # Pola modules (both layouts, la_sr_ratio 2, a class token, the static gate, no gate and no
     # conv term) and a Pola-Swin backbone with activation checkpointing: the output, the input's
@@ -78,9 +87,10 @@ def test_fused_core_on_meta_is_six_launches_with_their_traffic():
             # q, [dq+ | dq-] -> dq (bf16), partial sums of d(1/s) and dp
             ('pola_fused_feature_grads', half + 2 * param + features + half + 2 * parts),
             ('pola_fused_features', half + pe_bytes + 2 * param + features),
-            # k, pe, [dk+ | dk-] -> dk (float32: the bias's gradient is summed from it)
-            ('pola_fused_feature_grads', half + pe_bytes + 2 * param + features + full
-             + 2 * parts)]
+            # k, pe, [dk+ | dk-] and the key sums' gradient (a (B, h, 2d) row added to every
+            # token's) -> dk (float32: the bias's gradient is summed from it)
+            ('pola_fused_feature_grads', half + pe_bytes + 2 * param + features
+             + B * h * 2 * d * 4 + full + 2 * parts)]
     assert launches == want
     assert all(t.grad is not None and t.grad.shape == t.shape for t in (q, k, v, p, s, pe))
 

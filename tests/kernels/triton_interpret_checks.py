@@ -171,6 +171,20 @@ def run_core_grads(res, fused=False):
         for j, a, b in zip(idx, got, want):
             assert a.dtype == leaves[j].dtype and a.shape == leaves[j].shape, names[j]
             res[f'grad {name}: {names[j]}'] = rel(a, b)
+        if fused:  # the result in a half dtype against the float32 result rounded, the
+            # gradients of a half-precision gradient against those of its values in float32
+            half = leaves[0].dtype if leaves[0].dtype != torch.float32 else torch.bfloat16
+            g_half = grad.to(half)
+            out_h = polarity_attention_fused(q, k, v, p, 1e-6, **kw, out_dtype=half)
+            out_f = polarity_attention_fused(q, k, v, p, 1e-6, **kw)
+            assert out_h.dtype == half and out_h.stride() == out_f.stride()
+            diff = (out_h.float() - out_f.to(half).float()).abs().max()
+            res[f'outdtype {name}: out'] = diff.item()
+            got_h = torch.autograd.grad(out_h, [leaves[j] for j in idx], g_half)
+            got_f = torch.autograd.grad(out_f, [leaves[j] for j in idx], g_half.float())
+            for j, a, b in zip(idx, got_h, got_f):
+                diff = (a.double() - b.double()).abs().max()
+                res[f'outdtype {name}: {names[j]}'] = diff.item()
 
 
 def train_vs_reference(net, mixer_cls, *inputs, core='triton'):

@@ -45,8 +45,8 @@ def polarity_attention(q, k, v, p, eps=1e-6, temperature=None, k_bias=None, core
     if core == 'fused':
         from .fused import polarity_attention_fused
         with no_autocast(q.device):
-            out = polarity_attention_fused(q, k, v, p, eps, temperature, k_bias)
-        return out.to(v.dtype)
+            return polarity_attention_fused(q, k, v, p, eps, temperature, k_bias,
+                                            out_dtype=v.dtype)
     if core == 'triton':
         from .triton import polarity_attention_triton
         return polarity_attention_triton(q, k, v, p, eps, temperature, k_bias, out_dtype=v.dtype)

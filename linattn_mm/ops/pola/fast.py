@@ -37,8 +37,9 @@ import torch
 from ..common import (MIN_CHUNK_ROWS, core_dtype, into, numpy_log2_, promote_types,
                       sign_split, token_gram)
 
-__all__ = ['polarity_features', 'polarity_forward', 'joined_query_weights', 'chunk_rows',
-           'heads_buffer', 'token_slice', 'joint_pass', 'joint_scaled', 'TRAIN_CHUNK_ELEMENTS']
+__all__ = ['polarity_features', 'polarity_forward', 'joined_query_weights', 'joined_weights',
+           'chunk_rows', 'heads_buffer', 'token_slice', 'joint_pass', 'joint_scaled',
+           'TRAIN_CHUNK_ELEMENTS']
 
 
 def polarity_features(x, p, inv_scale=None, bias=None):
@@ -143,9 +144,14 @@ def joined_query_weights(kv, ks, n):
     one product (as :func:`_query_weights`), from ``kv = [k+^T v; k-^T v]`` (.., 2d, d) and the
     key sums ``ks = [sum k+; sum k-]`` (.., 2d, 1): the rows of ``[kv | ks]`` rolled by d are
     ``[k-^T v | sum k-; k+^T v | sum k+]``, the other stream's halves."""
-    d = kv.shape[-1]
+    return joined_weights(torch.cat([kv, ks], dim=-1), n)
+
+
+def joined_weights(kvs, n):
+    """:func:`joined_query_weights` from ``kvs = [kv | ks]`` (.., 2d, d + 1), the two joined
+    (as one product against the values with a column of ones gives them)."""
+    d = kvs.shape[-1] - 1
     d_s = (d + 1) // 2
-    kvs = torch.cat([kv, ks], dim=-1)
     rolled = kvs.roll(d, -2)
     return torch.cat([kvs[..., :d_s], rolled[..., d_s:d], kvs[..., d:], rolled[..., d:]],
                      dim=-1).mul_(1.0 / n)

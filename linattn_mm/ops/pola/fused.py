@@ -36,10 +36,10 @@ from typing import Optional, Tuple
 import torch
 
 from ..common import no_autocast, token_gram
-from ..dispatch import (FUSED_WARPS, fused_block, fused_chunks, launch_fitted, padded_head_dims,
-                        triton_module)
+from ..dispatch import (FUSED_WARPS, TRITON_DTYPES, fused_block, fused_chunks, launch_fitted,
+                        padded_head_dims, triton_module)
 from .autograd import _LN2, _key_side_grads, _output_grad
-from .fast import _normalise_into, heads_buffer, joined_query_weights
+from .fast import _normalise_into, heads_buffer, joined_weights
 from .triton import _expand_bias, _per_head, check_qkv
 
 triton = triton_module()
@@ -71,13 +71,17 @@ if triton is not None:
         tl.store(f + D, neg, mask=m)
 
     @triton.jit
-    def _pola_feature_grads_kernel(X, PE, P, S, DF, DX, DINV, DPOW, L, h, chunk,
+    def _pola_feature_grads_kernel(X, PE, P, S, DF, DB, DX, DINV, DPOW, L, h, chunk,
                                    s_xb, s_xh, s_xn, s_xd, s_pb, s_ph, s_pn, s_pd,
                                    s_db, s_dh, s_dn, s_dd,
                                    D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
-                                   HAS_PE: tl.constexpr, HAS_SCALE: tl.constexpr):
+                                   HAS_PE: tl.constexpr, HAS_SCALE: tl.constexpr,
+                                   HAS_DB: tl.constexpr):
         bh, split, b, head, rd, dmask = _program(h, D, DP)
         p = tl.load(P + head * D + rd, mask=dmask, other=1.0)[None, :]
+        if HAS_DB:  # a row added to every token's [dx+ | dx-] (the key sums' gradient)
+            db_pos = tl.load(DB + bh * 2 * D + rd, mask=dmask, other=0.0)[None, :]
+            db_neg = tl.load(DB + bh * 2 * D + D + rd, mask=dmask, other=0.0)[None, :]
         if HAS_SCALE:
             inv_s = tl.load(S + head * D + rd, mask=dmask, other=1.0)[None, :]
         acc_inv = tl.zeros((DP, ), dtype=tl.float32)
@@ -96,6 +100,9 @@ if triton is not None:
             df = DF + (bh * L + rn[:, None]) * (2 * D) + rd[None, :]
             dpos = tl.load(df, mask=m, other=0.0)
             dneg = tl.load(df + D, mask=m, other=0.0)
+            if HAS_DB:
+                dpos += db_pos
+                dneg += db_neg
             dy, dpw = _power_grads(y, l2, a, dpos, dneg, p)  # 0 outside the tile (y = 0)
             acc_pow += tl.sum(dpw, axis=0)
             dx = dy
@@ -154,9 +161,10 @@ def _grads_outputs(x, dx_dtype):
 
 @torch.library.custom_op(_LIB + 'pola_fused_feature_grads', mutates_args=())
 def _feature_grads_op(x: torch.Tensor, pe: Optional[torch.Tensor], p: torch.Tensor,
-                      inv_s: Optional[torch.Tensor], df: torch.Tensor,
+                      inv_s: Optional[torch.Tensor], df: torch.Tensor, db: Optional[torch.Tensor],
                       dx_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From the gradient ``df`` (B, h, L, 2d) of ``[x+ | x-]`` (float32, contiguous): that of
+    """From the gradient ``df`` (B, h, L, 2d) of ``[x+ | x-]`` (float32, contiguous), plus the
+    row ``db`` (B, h, 1, 2d) (float32, contiguous; None: none) added to every token's: that of
     ``x`` (also of the position encoding), a (B, L, h, d) buffer in ``dx_dtype``, and per chunk
     of tokens the partial sums (B·h, chunks, DP) of the inverse temperature's gradient and of the
     exponents' (in units of ln 2)."""
@@ -165,15 +173,15 @@ def _feature_grads_op(x: torch.Tensor, pe: Optional[torch.Tensor], p: torch.Tens
     dx_t = dx.transpose(1, 2)
     pe_t = x if pe is None else pe
     launch_fitted(_pola_feature_grads_kernel, (B * h, d_inv.shape[1]),
-        x, pe_t, p, p if inv_s is None else inv_s, df, dx_t, d_inv, d_pow, L, h, chunk,
-        *x.stride(), *pe_t.stride(), *dx_t.stride(), num_warps=FUSED_WARPS, D=d,
-        DP=padded_head_dims(d), BLOCK=fused_block(d), HAS_PE=pe is not None,
-        HAS_SCALE=inv_s is not None)
+        x, pe_t, p, p if inv_s is None else inv_s, df, df if db is None else db, dx_t, d_inv,
+        d_pow, L, h, chunk, *x.stride(), *pe_t.stride(), *dx_t.stride(), num_warps=FUSED_WARPS,
+        D=d, DP=padded_head_dims(d), BLOCK=fused_block(d), HAS_PE=pe is not None,
+        HAS_SCALE=inv_s is not None, HAS_DB=db is not None)
     return dx, d_inv, d_pow
 
 
 @_feature_grads_op.register_fake
-def _(x, pe, p, inv_s, df, dx_dtype):
+def _(x, pe, p, inv_s, df, db, dx_dtype):
     return _grads_outputs(x, dx_dtype)[0]
 
 
@@ -181,38 +189,50 @@ def _feature_map(x, pe, p, inv_s):
     return torch.ops.linattn_mm.pola_fused_features(x, pe, p, inv_s)
 
 
-def _feature_map_grads(x, pe, p, inv_s, df, dx_dtype):
-    return torch.ops.linattn_mm.pola_fused_feature_grads(x, pe, p, inv_s, df.contiguous(),
-                                                         dx_dtype)
+def _feature_map_grads(x, pe, p, inv_s, df, dx_dtype, db=None):
+    return torch.ops.linattn_mm.pola_fused_feature_grads(
+        x, pe, p, inv_s, df.contiguous(), None if db is None else db.contiguous(), dx_dtype)
+
+
+def _values_and_ones(v):
+    """``[v | 1]`` (B, h, n, d + 1), float32, contiguous: against it the key features' one
+    product gives ``[k+^T v | sum k+; k-^T v | sum k-]`` (no pass of its own for the sums)."""
+    ones = torch.ones((), dtype=torch.float32, device=v.device).expand(*v.shape[:-1], 1)
+    return torch.cat([v, ones], dim=-1)
 
 
 class PolarityAttentionFused(torch.autograd.Function):
     """The fused core (module docstring). Inputs: q (B, h, N, d), k, v (B, h, n, d) (any strides;
     float32, bfloat16 or float16), p and inv_scale (broadcastable to (1, h, 1, d); inv_scale =
-    1 / temperature or None), eps, k_bias (broadcastable to k, or None). The result is float32,
-    a (B, h, N, d) view of a (B, N, h, d) buffer; q, k, v and k_bias get their gradients in their
-    own dtypes, p and inv_scale in theirs."""
+    1 / temperature or None), eps, k_bias (broadcastable to k, or None), out_dtype (of the
+    result: float32, bfloat16 or float16; None: float32). The result is a (B, h, N, d) view of a
+    (B, N, h, d) buffer, computed in float32 and rounded once, as it is written; its gradient is
+    read in its dtype. q, k, v and k_bias get their gradients in their own dtypes, p and
+    inv_scale in theirs."""
 
     @staticmethod
-    def forward(ctx, q, k, v, p, eps, inv_scale, k_bias):
+    def forward(ctx, q, k, v, p, eps, inv_scale, k_bias, out_dtype=None):
         with no_autocast(q.device):  # float32 products, whatever the caller's autocast
-            return PolarityAttentionFused._forward(ctx, q, k, v, p, eps, inv_scale, k_bias)
+            return PolarityAttentionFused._forward(ctx, q, k, v, p, eps, inv_scale, k_bias,
+                                                   out_dtype or torch.float32)
 
     @staticmethod
-    def _forward(ctx, q, k, v, p, eps, inv_scale, k_bias):
+    def _forward(ctx, q, k, v, p, eps, inv_scale, k_bias, out_dtype):
         fn = 'polarity_attention_fused'
         B, h, N, n, d = check_qkv(fn, q, k, v, meta=True)
+        if out_dtype not in TRITON_DTYPES:
+            raise TypeError(f'{fn}: out_dtype must be float32, bfloat16 or float16, got '
+                            f'{out_dtype}')
         pf = _per_head(p, h, d, 'p', fn).to(q.device)
         inv_s = None if inv_scale is None else \
             _per_head(inv_scale, h, d, 'temperature', fn).to(q.device)
         pe = _expand_bias(k_bias, (B, h, n, d), fn)
         fk = _feature_map(k, pe, pf, inv_s)
-        kv = token_gram(fk, v.to(torch.float32))
-        ks = fk.sum(dim=-2).unsqueeze(-1)
+        kvs = token_gram(fk, _values_and_ones(v))  # [k+^T v | sum k+; k-^T v | sum k-]
         del fk
-        w = joined_query_weights(kv, ks, n)
+        w = joined_weights(kvs, n)
         out = _normalise_into(_feature_map(q, None, pf, inv_s) @ w, eps,
-                              heads_buffer(q, N, torch.float32))
+                              heads_buffer(q, N, out_dtype))  # rounded as the division writes
         ctx.save_for_backward(q, k, v, k_bias, pf, inv_s, w)
         ctx.eps = float(eps)
         ctx.p_meta = (p.shape, p.dtype)
@@ -235,7 +255,8 @@ class PolarityAttentionFused(torch.autograd.Function):
         # queries: [q+ | q-] and r again, the output's gradient through the division, dW and
         # the features' gradient, then through the powers
         fq = _feature_map(q, None, pf, inv_s)
-        dr = _output_grad(fq @ w, grad.to(torch.float32), ctx.eps)
+        dr = _output_grad(fq @ w, grad, ctx.eps)  # grad in the output's dtype: the division
+        # takes it to float32 as it reads it
         dw = token_gram(fq, dr)
         del fq
         params = need[3] or inv_s is not None and need[5]  # the exponents', the temperature's
@@ -251,10 +272,14 @@ class PolarityAttentionFused(torch.autograd.Function):
         if need[2]:
             dv = (_feature_map(k, pe, pf, inv_s) @ dkv).to(v.dtype)
         bias_grad = k_bias is not None and need[6]
-        if need[1] or bias_grad or params:  # the key side's feature gradients
-            dfk = (v.to(torch.float32) @ dkv.transpose(-2, -1)).add_(dks)
+        if need[1] or bias_grad or params:  # the key side's feature gradients (the key sums'
+            # gradient dks added by the kernel)
+            v32 = v.to(torch.float32, memory_format=torch.contiguous_format)
+            dfk = v32 @ dkv.transpose(-2, -1)
+            del v32
             dk, d_inv_k, d_pow_k = _feature_map_grads(k, pe, pf, inv_s, dfk,
-                                                      torch.float32 if bias_grad else k.dtype)
+                                                      torch.float32 if bias_grad else k.dtype,
+                                                      dks)
             del dfk
         else:
             dk = d_inv_k = d_pow_k = None
@@ -270,13 +295,14 @@ class PolarityAttentionFused(torch.autograd.Function):
         dk = None if dk is None else dk.transpose(1, 2)
         d_bias = dk.sum_to_size(k_bias.shape).to(k_bias.dtype) if bias_grad else None
         return (dq.transpose(1, 2) if need[0] else None, dk.to(k.dtype) if need[1] else None,
-                dv, d_p, None, d_inv, d_bias)
+                dv, d_p, None, d_inv, d_bias, None)
 
 
-def polarity_attention_fused(q, k, v, p, eps=1e-6, temperature=None, k_bias=None):
+def polarity_attention_fused(q, k, v, p, eps=1e-6, temperature=None, k_bias=None,
+                             out_dtype=None):
     """Polarity-aware linear attention, the fused core (module docstring); the arguments and the
-    result of :func:`~linattn_mm.ops.pola.autograd.polarity_attention_fast` (float32, a
-    (B, h, N, d) view of a (B, N, h, d) buffer), with gradients through
+    result of :func:`~linattn_mm.ops.pola.autograd.polarity_attention_fast` (a (B, h, N, d) view
+    of a (B, N, h, d) buffer) in ``out_dtype`` (None: float32), with gradients through
     :class:`PolarityAttentionFused`."""
     inv_scale = None if temperature is None else temperature.reciprocal()
-    return PolarityAttentionFused.apply(q, k, v, p, eps, inv_scale, k_bias)
+    return PolarityAttentionFused.apply(q, k, v, p, eps, inv_scale, k_bias, out_dtype)
