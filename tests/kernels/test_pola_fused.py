@@ -62,10 +62,11 @@ def test_training_steps_on_the_fused_core_equal_the_reference(interpreted):
         assert err < TOL, f'{name}: relative error {err:.3g}'
 
 
-def test_fused_core_on_meta_is_six_launches_with_their_traffic():
-    # a training step on meta tensors: the features of k and q (forward), of q and k again with
-    # their gradients (backward), each one operation that reads its inputs once and writes its
-    # outputs once; the products are torch's
+def test_fused_core_on_meta_is_seven_launches_with_their_traffic():
+    # a training step on meta tensors: the features of k and q (forward), of q again, the
+    # output's gradient through the normalisation, then the features of k again and both
+    # features' gradients (backward), each one operation that reads its inputs once and writes
+    # its outputs once; the products are torch's
     B, h, N, d = 2, 3, 40, 12
     meta = dict(device='meta')
     q, k, v = (torch.empty(B, h, N, d, **meta, dtype=torch.bfloat16, requires_grad=True)
@@ -80,10 +81,12 @@ def test_fused_core_on_meta_is_six_launches_with_their_traffic():
     half, full, param = B * h * N * d * 2, B * h * N * d * 4, h * d * 4  # bytes
     pe_bytes = h * N * d * 4  # broadcast over the batch: addressed once
     features = 2 * full  # [x+ | x-], float32
+    r = B * h * N * (d + 2) * 4  # [num | den], float32
     parts = B * h * fused_chunks(N, B * h, fused_block(d), torch.device('meta'))[0] * 16 * 4
     want = [('pola_fused_features', half + pe_bytes + 2 * param + features),  # k, pe -> [k+|k-]
             ('pola_fused_features', half + 2 * param + features),  # q -> [q+ | q-]
             ('pola_fused_features', half + 2 * param + features),  # backward: q again
+            ('pola_fused_output_grad', r + half + r),  # r, the output's gradient (bf16) -> dr
             # q, [dq+ | dq-] -> dq (bf16), partial sums of d(1/s) and dp
             ('pola_fused_feature_grads', half + 2 * param + features + half + 2 * parts),
             ('pola_fused_features', half + pe_bytes + 2 * param + features),

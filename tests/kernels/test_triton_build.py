@@ -197,9 +197,11 @@ def test_gradient_passes_up_to_head_dim_32_spill_nothing(core_builds):
 
 
 #: the fused cores' launches, forward and backward: Pola's key and query features, then the
-#: query features again, their gradients, the key features, their gradients; NaLa's the same
+#: query features again, the output's gradient through the normalisation, the query features'
+#: gradients, the key features, their gradients; NaLa's the same without the output's gradient
 FUSED_LAUNCHES = {
-    'pola': ['_pola_features_kernel'] * 3 + ['_pola_feature_grads_kernel',
+    'pola': ['_pola_features_kernel'] * 3 + ['_pola_output_grad_kernel',
+                                             '_pola_feature_grads_kernel',
                                              '_pola_features_kernel',
                                              '_pola_feature_grads_kernel'],
     'nala': ['_nala_fused_features_kernel'] * 3 + ['_nala_fused_query_grads_kernel',

@@ -110,6 +110,11 @@ def test_pola_core_gradients_on_cuda(B, d, dtype, keys, core, monkeypatch):
         out = polarity_attention_triton(q, k, v, p, 1e-6, temperature=s, k_bias=pe,
                                         out_dtype=torch.float32)
     assert out.dtype == torch.float32
+    if core == 'fused' and dt != torch.float32:  # the result in the inputs' dtype: the
+        # float32 result rounded once, as the division writes it
+        out_h = polarity_attention_fused(q, k, v, p, 1e-6, temperature=s, k_bias=pe,
+                                         out_dtype=dt)
+        assert out_h.dtype == dt and torch.equal(out_h, out.detach().to(dt))
     got = torch.autograd.grad(out, leaves, grad)
     ref = [t.detach().double().requires_grad_() for t in leaves]
     qq, kk, vv, pp, ss, bb = ref

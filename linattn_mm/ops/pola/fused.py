@@ -1,5 +1,5 @@
 """The fused training core of PolaFormer's polarity attention: the torch core's products, with its
-elementwise passes as two Triton kernels (CUDA; ``core='fused'``).
+elementwise passes as three Triton kernels (CUDA; ``core='fused'``).
 
 The torch training Function (:mod:`linattn_mm.ops.pola.autograd`) makes the polarity features and
 takes their gradients back through the powers in some twenty elementwise operations, each a pass
@@ -13,23 +13,33 @@ each side keeps what it does best:
   position encoding) in its own dtype, write ``[x+ | x-]`` (B, h, L, 2d) in float32:
   ``y = (x [+ b]) / s``, ``a = |y|^p`` as ``exp2(p log2|y|)``, ``x+ = a [y > 0]``,
   ``x- = a [y < 0]``.
-* **Products** in torch, as the torch core has them (cuBLAS, float32): ``[k+; k-]^T v`` and the key
-  sums, ``r = [q+ | q-] [W+; W-]``, ``dW = [q+ | q-]^T dR``, ``[dq+ | dq-] = dR W^T``,
-  ``dv = [k+ | k-] dKV``, ``[dk+ | dk-] = v dKV^T + dks`` (the formulas of
-  :mod:`linattn_mm.ops.pola.autograd`).
+* **Products** in torch, as the torch core has them (cuBLAS, float32): ``[k+; k-]^T [v | 1]``
+  (the key sums are the column of the ones), ``r = [q+ | q-] [W+; W-]``,
+  ``dW = [q+ | q-]^T dR``, ``[dq+ | dq-] = dR W^T``, ``dv = [k+ | k-] dKV``,
+  ``[dk+ | dk-] = v dKV^T`` (the formulas of :mod:`linattn_mm.ops.pola.autograd`). The division
+  by the denominators writes the result in the caller's dtype (``out_dtype``), rounded once.
+* **The output's gradient** through the division (one Triton launch): read ``r`` and the
+  output's gradient in its dtype, write ``dR = [g / D | -sum(g num) / D^2]`` per stream.
 * **Feature gradients** (one Triton launch per map): read ``x``, its position encoding and
   ``[dx+ | dx-]``, recompute ``y``, ``log2|y|`` and ``a`` in registers, write
   ``dx = G p / y / s`` (``G = da·a``, 0 at y = 0) in the input's dtype and, per chunk of tokens,
   the partial sums of the exponents' gradient ``Σ G log2|y|`` (times ln 2 once summed) and of the
-  inverse temperature's ``Σ (G p / y)(x [+ b])``.
+  inverse temperature's ``Σ (G p / y)(x [+ b])``. On the key side it adds the key sums' gradient
+  ``dks``, one row per (batch, head), to every token's ``[dk+ | dk-]`` as it reads them.
 
 Kept for backward: q, k, v (in their dtype, as they came), the position encoding, the parameters
 and ``[W+; W-]`` (B, h, 2d, d + 2), as the torch Function keeps them. The gradients are those of
 the plain autograd of the reference (tests: float32 to 1e-5 relative, bf16 and fp16 inputs to
 their rounding). Inputs float32, bfloat16 or float16 (the core computes in float32), on CUDA, or
 on CPU through Triton's interpreter (``TRITON_INTERPRET=1``), which is how the tests check it
-without a GPU. On ``meta`` tensors the two launches make their outputs only, so the operation and
+without a GPU. On ``meta`` tensors the launches make their outputs only, so the operation and
 traffic counters see one operation each.
+
+What these passes save, counted on ``meta`` (``docs/benchmarks.md``, "Operations and memory per
+training step"): per stage-1 layer of Pola-Swin-T at batch 8, 800×1344, bf16, the key sums'
+pass (0.41 GB), a contiguous copy of v each way (0.41 GB each), the casts of the result and of its
+gradient (0.41 and 0.31 GB), the broadcast add of ``dks`` (0.83 GB), the merge of dv's heads
+(0.21 GB), and the output's gradient in one pass instead of six (0.75 GB).
 """
 from typing import Optional, Tuple
 
@@ -38,7 +48,7 @@ import torch
 from ..common import no_autocast, token_gram
 from ..dispatch import (FUSED_WARPS, TRITON_DTYPES, fused_block, fused_chunks, launch_fitted,
                         padded_head_dims, triton_module)
-from .autograd import _LN2, _key_side_grads, _output_grad
+from .autograd import _LN2, _key_side_grads
 from .fast import _normalise_into, heads_buffer, joined_weights
 from .triton import _expand_bias, _per_head, check_qkv
 
@@ -115,6 +125,29 @@ if triton is not None:
         tl.store(DINV + part, acc_inv)
         tl.store(DPOW + part, acc_pow)
 
+    @triton.jit
+    def _pola_output_grad_kernel(R, G, DR, L, h, eps, s_gb, s_gh, s_gn, s_gd,
+                                 D: tl.constexpr, DS: tl.constexpr, DP: tl.constexpr,
+                                 BLOCK: tl.constexpr):
+        bh, blk, b, head, rd, dmask = _program(h, D, DP)
+        rn = blk * BLOCK + tl.arange(0, BLOCK)
+        rows = rn < L
+        m = rows[:, None] & dmask[None, :]
+        r = R + (bh * L + rn) * (D + 2)  # r = [num | den_same, den_opposite], contiguous
+        num = tl.load(r[:, None] + rd[None, :], mask=m, other=0.0)
+        den_s = tl.load(r + D, mask=rows, other=1.0) + eps
+        den_o = tl.load(r + D + 1, mask=rows, other=1.0) + eps
+        same = (rd < DS)[None, :]
+        g = _load_tile(G, b, head, rn, rd, s_gb, s_gh, s_gn, s_gd, m)
+        dnum = g / tl.where(same, den_s[:, None], den_o[:, None])
+        t = dnum * num
+        dden_s = -tl.sum(tl.where(same, t, 0.0), axis=1) / den_s
+        dden_o = -tl.sum(tl.where(same, 0.0, t), axis=1) / den_o
+        dr = DR + (bh * L + rn) * (D + 2)
+        tl.store(dr[:, None] + rd[None, :], dnum, mask=m)
+        tl.store(dr + D, dden_s, mask=rows)
+        tl.store(dr + D + 1, dden_o, mask=rows)
+
 
 # ------------------------------------------------------------------------------------------------
 # The two launches as operators (``torch.ops.linattn_mm.pola_fused_*``), with fake forms: on
@@ -183,6 +216,27 @@ def _feature_grads_op(x: torch.Tensor, pe: Optional[torch.Tensor], p: torch.Tens
 @_feature_grads_op.register_fake
 def _(x, pe, p, inv_s, df, db, dx_dtype):
     return _grads_outputs(x, dx_dtype)[0]
+
+
+@torch.library.custom_op(_LIB + 'pola_fused_output_grad', mutates_args=())
+def _output_grad_op(r: torch.Tensor, grad: torch.Tensor, eps: float) -> torch.Tensor:
+    """``dR = [dnum | dden]`` (B, h, L, d + 2), float32, of the query side's product
+    ``r = [num | den]`` (float32, contiguous; ``eps`` is added to its denominators as they are
+    read) from the output's gradient ``grad`` (B, h, L, d) in its own dtype and strides: the
+    formulas of :func:`~linattn_mm.ops.pola.autograd._output_grad`, in one pass."""
+    B, h, L, d2 = r.shape
+    d = d2 - 2
+    dr = torch.empty_like(r)
+    block = fused_block(d)
+    launch_fitted(_pola_output_grad_kernel, (B * h, triton.cdiv(L, block)),
+        r, grad, dr, L, h, eps, *grad.stride(), num_warps=FUSED_WARPS, D=d, DS=(d + 1) // 2,
+        DP=padded_head_dims(d), BLOCK=block)
+    return dr
+
+
+@_output_grad_op.register_fake
+def _(r, grad, eps):
+    return torch.empty_like(r)
 
 
 def _feature_map(x, pe, p, inv_s):
@@ -255,8 +309,7 @@ class PolarityAttentionFused(torch.autograd.Function):
         # queries: [q+ | q-] and r again, the output's gradient through the division, dW and
         # the features' gradient, then through the powers
         fq = _feature_map(q, None, pf, inv_s)
-        dr = _output_grad(fq @ w, grad, ctx.eps)  # grad in the output's dtype: the division
-        # takes it to float32 as it reads it
+        dr = torch.ops.linattn_mm.pola_fused_output_grad(fq @ w, grad, ctx.eps)
         dw = token_gram(fq, dr)
         del fq
         params = need[3] or inv_s is not None and need[5]  # the exponents', the temperature's
@@ -270,7 +323,8 @@ class PolarityAttentionFused(torch.autograd.Function):
         del dw
         dv = None
         if need[2]:
-            dv = (_feature_map(k, pe, pf, inv_s) @ dkv).to(v.dtype)
+            # cast into a (B, n, h, d) buffer: merging its heads copies nothing
+            dv = heads_buffer(v, n, v.dtype).copy_(_feature_map(k, pe, pf, inv_s) @ dkv)
         bias_grad = k_bias is not None and need[6]
         if need[1] or bias_grad or params:  # the key side's feature gradients (the key sums'
             # gradient dks added by the kernel)
