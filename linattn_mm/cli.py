@@ -119,12 +119,14 @@ def set_attention_core(model, core):
     of a built ``model`` on the core ``core`` (:data:`linattn_mm.ops.dispatch.CORES`; ``'triton'``:
     the Triton kernels, forward and backward, CUDA; ``'fused'``: the torch cores' products with
     their elementwise passes in Triton, CUDA; NaLaFormer blocks then run their conv sums as
-    Triton kernels too, ``ffn_core='fused'``, and every NaLa mixer, softmax ones included, its
-    gated output, ``gate_core='fused'``) and return how many Pola and NaLa mixers there are. A
+    Triton kernels too, ``ffn_core='fused'``, every NaLa mixer, softmax ones included, its
+    gated output, ``gate_core='fused'``, and the softmax mixers their RoPE, ``core='fused'``) and
+    return how many Pola and NaLa mixers there are. A
     ``ValueError`` when the model has none, for an unknown core name, for ``'triton'`` or
     ``'fused'`` where the model is not on a CUDA device (or Triton is missing), or for a NaLa mixer
     whose feature map has no such core (the paper's kernel, a constant query power), naming it."""
-    from linattn_mm.models.attentions.nala import NormAwareLinearAttention, set_fused_gates
+    from linattn_mm.models.attentions.nala import (NormAwareLinearAttention, set_fused_gates,
+                                                   set_fused_rope)
     from linattn_mm.models.attentions.pola import PolaLinearAttention
     from linattn_mm.models.backbones.nalaformer import set_fused_blocks
     from linattn_mm.ops.dispatch import check_core, triton_available
@@ -146,6 +148,7 @@ def set_attention_core(model, core):
                              f"official kernel only)")
     set_fused_blocks(model, core == 'fused')  # checks its convs before it switches anything
     set_fused_gates(model, core == 'fused')
+    set_fused_rope(model, core == 'fused')
     for _, m in mixers:
         m.core = core
     return len(mixers)

@@ -134,7 +134,8 @@ import torch.nn.functional as F
 import linattn_mm  # noqa: F401
 from linattn_mm import deploy
 from linattn_mm.flops import dummy_inputs
-from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d, set_fused_gates
+from linattn_mm.models.attentions.nala import (NormAwareLinearAttention, RoPE2d, set_fused_gates,
+                                               set_fused_rope)
 from linattn_mm.models.attentions.pola import PolaLinearAttention
 from linattn_mm.models.utils.layers import TransformerBlock
 from linattn_mm.models.backbones.nalaformer import NaLaBlock, set_fused_blocks
@@ -280,6 +281,7 @@ def set_impl(model, impl, ffn='auto', device=None, train=False):
             deploy.revert(model)
             set_fused_blocks(model, False)
             set_fused_gates(model, False)
+            set_fused_rope(model, False)
             for m in pola_modules(model):  # an earlier 'official' variant's bound forward
                 m.__dict__.pop('forward', None)
             for m in model.modules():
@@ -304,6 +306,7 @@ def set_impl(model, impl, ffn='auto', device=None, train=False):
             m.core = 'fast' if core_refusal(CORE[impl], m.kernel, m.query_power) else CORE[impl]
     set_fused_blocks(model, impl == 'fused')
     set_fused_gates(model, impl == 'fused')
+    set_fused_rope(model, impl == 'fused')
     if impl == 'official':
         for m in pola_modules(model):
             m.forward = types.MethodType(official_pola_forward, m)

@@ -21,6 +21,7 @@ import argparse
 
 import linattn_mm  # noqa: F401  (registers the backbones)
 from linattn_mm.checkpoint import safe_globals
+from linattn_mm.models.attentions.nala import NaLaSoftmaxAttention
 from linattn_mm.cli import (add_common_args, apply_launcher_defaults, build_runner,
                             close_process_group, find_resume_checkpoint, load_config,
                             parse_with_common, set_attention_core)
@@ -83,10 +84,13 @@ def main(argv=None):
         mixers = set_attention_core(runner.model, args.attn_core)
         blocks = sum(getattr(m, 'ffn_core', None) == 'fused' for m in runner.model.modules())
         gates = sum(getattr(m, 'gate_core', None) == 'fused' for m in runner.model.modules())
+        ropes = sum(isinstance(m, NaLaSoftmaxAttention) and m.core == 'fused'
+                    for m in runner.model.modules())
         print(f'--attn-core: {mixers} Pola / NaLa mixers on core {args.attn_core!r}'
               + (f', {blocks} NaLaFormer blocks with fused conv sums' if blocks else '')
               + (f', {gates} NaLa mixers (softmax ones included) with fused gates'
-                 if gates else ''))
+                 if gates else '')
+              + (f', {ropes} softmax mixers with a fused RoPE' if ropes else ''))
     try:
         with safe_globals():  # --resume / load_from: mmengine checkpoints hold HistoryBuffers
             runner.train()

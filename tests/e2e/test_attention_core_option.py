@@ -81,10 +81,11 @@ def test_train_tool_runs_with_the_named_core(demo_data, tmp_path):
 @pytest.mark.parametrize('config, mixers, blocks', [
     ('polaformer/mask-rcnn_pola-swin-t_fpn_1x_coco.py', 4, ''),  # global Pola stages 1-2
     # NaLa stages 1-2 (2 + 2 blocks); all 2 + 2 + 6 + 2 blocks with their fused conv sums and
-    # their mixers (NaLa and softmax) with their fused gated output
+    # their mixers (NaLa and softmax) with their fused gated output; the softmax mixers of stages
+    # 3-4 (6 + 2) with their fused RoPE
     ('nalaformer/mask-rcnn_nalaformer-t_fpn_1x_coco.py', 4,
      ', 12 NaLaFormer blocks with fused conv sums, 12 NaLa mixers (softmax ones included) '
-     'with fused gates')])
+     'with fused gates, 8 softmax mixers with a fused RoPE')])
 def test_train_tool_runs_with_the_fused_core(demo_data, tmp_path, config, mixers, blocks):
     # the fused cores (and NaLaFormer's fused conv sums and gates) through the tool: their Triton
     # kernels in the interpreter on CPU, one Mask R-CNN iteration with finite losses

@@ -98,6 +98,9 @@ def test_whole_nalaformers_train_on_the_fused_blocks(interpreted):
         # and every mixer's gated output fused too (ops.nala.gate_fused)
         gates = interpreted[f'train NaLaFormer {name}, with_cp, fused blocks, core and gates']
         assert gates < max(1e-5, 1.5 * baseline), (name, gates, baseline)
+        # and the softmax mixers' RoPE (ops.nala.rope_fused; the NaLa-everywhere layout has none)
+        rope = interpreted[f'train NaLaFormer {name}, with_cp, fused blocks, core, gates and RoPE']
+        assert rope < max(1e-5, 1.5 * baseline), (name, rope, baseline)
 
 
 def _block_step(blk, x):

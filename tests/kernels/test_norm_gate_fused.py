@@ -124,8 +124,8 @@ def test_the_gated_output_moves_a_third_of_the_torch_forms_bytes():
 
 def test_the_attention_core_switch_takes_every_nala_mixers_gate_along(monkeypatch):
     # --attn-core fused puts every NaLa mixer's gated output on its fused form, the softmax
-    # mixers of the released stages 3-4 included (their attention stays torch's), any other core
-    # back on 'fast'
+    # mixers of the released stages 3-4 included (their attention stays torch's, their RoPE on
+    # its fused kernel: core 'fused'), any other core back on 'fast'
     monkeypatch.setenv('TRITON_INTERPRET', '1')  # the device check: Triton may run here
     net = NaLaFormer(arch=dict(embed_dims=[16, 32, 32, 32], depths=[1, 1, 1, 1],
                                num_heads=[1, 2, 2, 2], mlp_ratios=[2, 2, 2, 2]))
@@ -133,8 +133,7 @@ def test_the_attention_core_switch_takes_every_nala_mixers_gate_along(monkeypatc
                                                          NaLaSoftmaxAttention))]
     assert [type(m).__name__[:4] for m in mixers] == ['Norm', 'Norm', 'NaLa', 'NaLa']
     assert set_attention_core(net, 'fused') == 2  # the two NaLa mixers of stages 1-2
-    assert [(m.core, m.gate_core) for m in mixers] == [('fused', 'fused')] * 2 + [
-        ('fast', 'fused')] * 2
+    assert [(m.core, m.gate_core) for m in mixers] == [('fused', 'fused')] * 4
     assert set_fused_gates(net, False) == 0
     set_attention_core(net, 'fused')
     set_attention_core(net, 'fast')

@@ -253,6 +253,21 @@ def test_the_fused_gate_is_small(builds, arch):
 
 
 @pytest.mark.parametrize('arch', sorted(GPUS))
+def test_the_fused_rope_is_small(builds, arch):
+    # the softmax stages' RoPE (ops.nala.rope_fused), forward and backward: a tile of tokens by
+    # channel pairs; three pipeline stages with at most 4 KB of shared memory on every GPU, no
+    # spills on Hopper
+    cases = {case: launches for case, launches in _cases(builds[arch]).items()
+             if case.startswith('fused rope ')}
+    assert set(cases) == {'fused rope d64 bf16', 'fused rope d16 fp32'}
+    for case, launches in cases.items():
+        assert [launch[0] for launch in launches] == ['_rope_kernel'] * 2, case
+        for name, stages, shared, spills, _ in launches:
+            assert stages == 3 and shared <= 4096, (case, name, stages, shared)
+            assert spills in (None, 0) if arch == 90 else spills is None, (case, name, spills)
+
+
+@pytest.mark.parametrize('arch', sorted(GPUS))
 def test_the_fused_conv_sums_are_small(builds, arch):
     # NaLaFormer blocks' conv sums and residual sums' backward (ops.ffn.fused) hold one tile of
     # the map: three pipeline stages with at most 4 KB of shared memory on every GPU, and on

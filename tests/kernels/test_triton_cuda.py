@@ -251,10 +251,10 @@ def test_conv_sums_on_cuda(layout, dtype, C):
 
 def test_nalaformer_trains_on_cuda_with_fused_blocks(monkeypatch):
     """A training step of the released NaLaFormer layout on the fused blocks (their conv sums as
-    Triton kernels) and the fused NaLa core, then with every mixer's fused gated output too,
-    against the float64 reference forms: each within the float32 error of the same step in the
-    default forms (or 1e-5)."""
-    from linattn_mm.models.attentions.nala import set_fused_gates
+    Triton kernels) and the fused NaLa core, then with every mixer's fused gated output too, then
+    with the softmax mixers' fused RoPE, against the float64 reference forms: each within the
+    float32 error of the same step in the default forms (or 1e-5)."""
+    from linattn_mm.models.attentions.nala import set_fused_gates, set_fused_rope
     from linattn_mm.models.backbones.nalaformer import set_fused_blocks
     monkeypatch.setattr(torch.backends.cudnn, 'allow_tf32', False)
     monkeypatch.setattr(torch.backends.cuda.matmul, 'allow_tf32', False)
@@ -268,8 +268,53 @@ def test_nalaformer_trains_on_cuda_with_fused_blocks(monkeypatch):
     err = train_vs_reference(copy.deepcopy(net), NormAwareLinearAttention, x, core='fused')
     assert err < max(1e-5, 1.5 * baseline), (err, baseline)
     assert set_fused_gates(net, True) == 4  # the NaLa and softmax mixers' gated output
+    err = train_vs_reference(copy.deepcopy(net), NormAwareLinearAttention, x, core='fused')
+    assert err < max(1e-5, 1.5 * baseline), (err, baseline)
+    assert set_fused_rope(net, True) == 2  # the softmax mixers of stages 3-4
     err = train_vs_reference(net, NormAwareLinearAttention, x, core='fused')
     assert err < max(1e-5, 1.5 * baseline), (err, baseline)
+
+
+@pytest.mark.parametrize('dtype', ['fp32', 'bf16'])
+def test_rope_on_cuda(dtype):
+    """The softmax stages' RoPE as one kernel each way (ops.nala.rope_fused) on CUDA: q as a head
+    view of a projection, float32 within 1e-6 of float64 plain autograd of the reference
+    rotation (output and the projection's gradient), bfloat16 within its rounding; a bf16 mixer
+    step under autocast within a unit of bf16 of the same step on core='fast'."""
+    from linattn_mm.models.attentions.nala import NaLaSoftmaxAttention
+    from linattn_mm.ops.nala import apply_rope
+    from linattn_mm.ops.nala.rope_fused import RopeRotateFused, rope_table
+    dt = DTYPES[dtype]
+    g0 = seeded('rope', dtype)
+    B, h, d = 2, 4, 64
+    H, W = GRID
+    N = H * W
+    sin, cos = (t.cuda() for t in RoPE2d(d)((H, W)))
+    full = torch.randn(B, N, 4 * h * d, device='cuda', generator=g0).to(dt).requires_grad_()
+    heads = full[..., :h * d].unflatten(-1, (h, d)).transpose(1, 2)
+    grad = torch.randn(B, h, N, d, device='cuda', generator=g0).to(dt)
+    y = RopeRotateFused.apply(heads, rope_table(sin, cos), dt)
+    (dx, ) = torch.autograd.grad(y, full, grad)
+    full64 = full.detach().double().requires_grad_()
+    y64 = apply_rope(full64[..., :h * d].unflatten(-1, (h, d)).transpose(1, 2), sin.double(),
+                     cos.double())
+    (dx64, ) = torch.autograd.grad(y64, full64, grad.double())
+    tol = 1e-6 if dt == torch.float32 else 2 ** -8
+    assert y.dtype == dt and rel(y, y64) < tol and rel(dx, dx64) < tol
+    if dt == torch.bfloat16:
+        m = NaLaSoftmaxAttention(256, 4).cuda().train()
+        x = torch.randn(2, N, 256, device='cuda', generator=g0)
+        runs = []
+        for core in ('fast', 'fused'):
+            m.core = core
+            m.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_()
+            with torch.autocast('cuda', dtype=torch.bfloat16):
+                out = m(xi, GRID)
+            out.float().square().mean().backward()
+            runs.append([out.detach(), xi.grad] + [p.grad for p in m.parameters()])
+        for a, b in zip(*runs):
+            assert rel(a, b) <= 2 ** -7
 
 
 @pytest.mark.parametrize('C', [64, 512])

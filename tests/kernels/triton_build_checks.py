@@ -10,8 +10,8 @@ pipeline stages to ``LIMIT`` as on that GPU. Each core runs forward and backward
 several head dims, dtypes and options, two of them with the products on the tensor cores
 (``tf32x3``; nothing is computed: the outputs are empty buffers), and so do the fused cores
 (cases ``fused ...``: their elementwise kernels), and the conv sums of NaLaFormer's blocks
-(cases ``fused convffn ...``, ``fused cpe ...``, ``fused residual ...``) and NaLa's fused
-gated output (``fused gate ...``). Prints
+(cases ``fused convffn ...``, ``fused cpe ...``, ``fused residual ...``), NaLa's fused
+gated output (``fused gate ...``) and the softmax stages' fused RoPE (``fused rope ...``). Prints
 a JSON list, one entry per kernel launched: ``[case, kernel, stages, shared bytes, spill stores
 in bytes or None, compile seconds]``, or ``[case, 'error', message]`` for a case that raised. The
 seconds are those of Triton's compiler and ``ptxas`` for that launch, the stage fitting's
@@ -121,6 +121,7 @@ def main():
     from linattn_mm.ops.ffn.fused import ConvResidualFused, ScaledAddFused, conv_ffn_branch_fused
     from linattn_mm.ops.nala.fused import nala_attention_fused
     from linattn_mm.ops.nala.gate_fused import NormGatedLinearFused
+    from linattn_mm.ops.nala.rope_fused import RopeRotateFused
     from linattn_mm.ops.pola.fused import polarity_attention_fused
     from linattn_mm.ops.pola.triton import polarity_attention_triton
 
@@ -173,6 +174,13 @@ def main():
             return NormGatedLinearFused.apply(s, norm.weight, norm.bias, 1e-5, g, lin.weight,
                                               lin.bias)
 
+    def rope(d, dtype, _):  # q as a head view of the projection, written in the autocast dtype
+        x = torch.randn(2, 77, 4 * 2 * d, dtype=dtype)[..., :2 * d].unflatten(-1, (2, d))
+        x = x.transpose(1, 2).requires_grad_()
+        angle = torch.randn(77, d // 2)
+        table = torch.stack([angle.cos(), angle.sin()], -1)
+        return RopeRotateFused.apply(x, table, torch.bfloat16)
+
     cases = {}
     for d in (12, 32, 64):
         cases[f'pola d{d} fp32 pe+temperature'] = (pola, d, torch.float32, True)
@@ -203,6 +211,10 @@ def main():
     for width, dtype in ((64, torch.float32), (512, torch.bfloat16)):
         cases[f'fused gate c{width} {"fp32" if dtype == torch.float32 else "bf16"}'] = (
             gate, width, dtype, None)
+    # the softmax stages' RoPE (ops.nala.rope_fused): NaLaFormer-T's head dim in bf16 (the
+    # projection under autocast), a small one in float32
+    cases['fused rope d64 bf16'] = (rope, 64, torch.bfloat16, None)
+    cases['fused rope d16 fp32'] = (rope, 16, torch.float32, None)
     results = []
     for case, (fn, d, dtype, flag) in cases.items():
         del LAUNCHED[:]

@@ -5,7 +5,8 @@ backward: the gradients of the core, of modules and of a backbone), ``pola-fused
 gradients with the fused Pola core, :mod:`linattn_mm.ops.pola.fused`), ``nala`` and / or
 ``nala-grad`` and ``nala-fused`` (the same for NaLa), ``conv-fused`` (NaLaFormer blocks' conv
 sums, :mod:`linattn_mm.ops.ffn.fused`), ``gate-fused`` (NaLa's gated output,
-:mod:`linattn_mm.ops.nala.gate_fused`) (default ``pola`` and ``nala``). Prints one
+:mod:`linattn_mm.ops.nala.gate_fused`), ``rope-fused`` (the softmax stages' RoPE,
+:mod:`linattn_mm.ops.nala.rope_fused`) (default ``pola`` and ``nala``). Prints one
 JSON object: case name -> relative error against the float64 reference."""
 import copy
 import functools
@@ -377,7 +378,7 @@ def run_conv_sums(res):
     the ConvFFN and CPE Functions' gradients against plain autograd of the modules in float64;
     under bf16 autocast against the blocks' default form; whole NaLaFormers on the fused blocks
     and the fused NaLa core against the float64 reference."""
-    from linattn_mm.models.attentions.nala import set_fused_gates
+    from linattn_mm.models.attentions.nala import set_fused_gates, set_fused_rope
     from linattn_mm.models.backbones.nalaformer import ConvFFN, NaLaBlock, set_fused_blocks
     from linattn_mm.ops.ffn.fused import ConvResidualFused, conv_ffn_branch_fused, conv_sum
     g = torch.Generator().manual_seed(7)
@@ -557,6 +558,9 @@ def run_conv_sums(res):
             copy.deepcopy(net), NormAwareLinearAttention, x, core='fused')
         set_fused_gates(net, True)  # every mixer's gated output (softmax ones included)
         res[f'train NaLaFormer {name}, with_cp, fused blocks, core and gates'] = \
+            train_vs_reference(copy.deepcopy(net), NormAwareLinearAttention, x, core='fused')
+        set_fused_rope(net, True)  # the softmax mixers' RoPE (the float64 copy: torch's)
+        res[f'train NaLaFormer {name}, with_cp, fused blocks, core, gates and RoPE'] = \
             train_vs_reference(net, NormAwareLinearAttention, x, core='fused')
 
 
@@ -631,6 +635,63 @@ def run_norm_gate(res):
         res[f'gate train {cls.__name__}'] = train_vs_reference(m, cls, x, (12, 10), core=core)
 
 
+
+def run_rope(res):
+    """The softmax stages' RoPE as one Triton kernel each way (linattn_mm.ops.nala.rope_fused):
+    the Function against plain autograd of the reference rotation in float64 (float32 in and
+    out; bfloat16 in and out, and against the torch form's two roundings); a NaLaSoftmaxAttention
+    on core='fused' against a float64 copy on its reference core (float32), and under bf16
+    autocast against the same mixer on core='fast'."""
+    from linattn_mm.models.attentions.nala import NaLaSoftmaxAttention
+    from linattn_mm.ops.nala import apply_rope, rotate_pairs
+    from linattn_mm.ops.nala.rope_fused import RopeRotateFused, rope_table
+    g0 = torch.Generator().manual_seed(13)
+    # one block of tokens at d = 16; many blocks at d = 64
+    for B, h, H, W, d in ((2, 3, 7, 9, 16), (1, 2, 30, 40, 64)):
+        N = H * W
+        sin, cos = RoPE2d(d)((H, W))
+        proj = torch.randn(B, N, 4 * h * d, generator=g0)  # q: a head view of a projection
+        for dt, name in ((torch.float32, 'fp32'), (torch.bfloat16, 'bf16')):
+            full = proj.to(dt).requires_grad_()
+            heads = full[..., :h * d].unflatten(-1, (h, d)).transpose(1, 2)
+            grad = torch.randn(B, h, N, d, generator=g0).to(dt)
+            y = RopeRotateFused.apply(heads, rope_table(sin, cos), dt)
+            assert y.dtype == dt and y.shape == heads.shape
+            assert y.transpose(1, 2).is_contiguous()  # a (B, N, h, d) buffer
+            (dx, ) = torch.autograd.grad(y, full, grad)
+            full64 = full.detach().double().requires_grad_()
+            y64 = apply_rope(full64[..., :h * d].unflatten(-1, (h, d)).transpose(1, 2),
+                             sin.double(), cos.double())
+            (dx64, ) = torch.autograd.grad(y64, full64, grad.double())
+            res[f'rope {name} d{d}: out'] = rel(y, y64)
+            res[f'rope {name} d{d}: grad'] = rel(dx, dx64)
+            if dt == torch.bfloat16:  # the torch form: float32 rotation, then autocast's cast
+                torch_form = rotate_pairs(heads.detach().float(), sin, cos).to(dt).float()
+                diff = (y.detach().float() - torch_form).abs()
+                res[f'rope bf16 d{d}: share unlike the torch form'] = (
+                    diff > 0).double().mean().item()
+                res[f'rope bf16 d{d}: beyond one unit of the torch form'] = (
+                    diff > torch_form.abs() * 2 ** -7).double().mean().item()
+    # the mixer: float32 against float64 on the reference core
+    x = torch.randn(2, 12 * 10, 32, generator=g0)
+    torch.manual_seed(0)
+    m = NaLaSoftmaxAttention(32, 2).train()
+    res['rope train NaLaSoftmaxAttention'] = train_vs_reference(m, NaLaSoftmaxAttention, x,
+                                                                (12, 10), core='fused')
+    # under bf16 autocast: the output and the gradients of the input and every parameter
+    # against the same mixer on core='fast' (q and k rounded once instead of twice)
+    runs = []
+    weights = torch.randn(2, 12 * 10, 32, generator=g0)
+    for core in ('fast', 'fused'):
+        m.core = core
+        m.zero_grad(set_to_none=True)
+        xi = x.detach().clone().requires_grad_()
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            out = m(xi, (12, 10))
+        (out.float() * weights).sum().backward()
+        runs.append([out.detach(), xi.grad] + [p.grad for p in m.parameters()])
+    res['rope bf16 mixer against core fast'] = max(rel(a, b) for a, b in zip(*runs))
+
 if __name__ == '__main__':
     results = {}
     which = sys.argv[1:] or ['pola', 'nala']
@@ -653,4 +714,6 @@ if __name__ == '__main__':
         run_conv_sums(results)
     if 'gate-fused' in which:
         run_norm_gate(results)
+    if 'rope-fused' in which:
+        run_rope(results)
     json.dump(results, sys.stdout)

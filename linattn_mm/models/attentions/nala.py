@@ -66,7 +66,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from linattn_mm.ops.common import autocast_on, core_dtype, no_autocast
+from linattn_mm.ops.common import autocast_dtype, autocast_on, core_dtype, no_autocast
 from linattn_mm.ops.dispatch import check_core
 from linattn_mm.ops.lean_layers import NormGatedLinear, depthwise_conv_tokens, split_linear
 from linattn_mm.ops.nala import (KERNELS, RopeTables, apply_rope, core_refusal, nala_attention,
@@ -75,7 +75,8 @@ from linattn_mm.registry import ATTENTIONS
 from .base import BaseTokenMixer
 
 __all__ = ['RoPE2d', 'apply_rope', 'NaLaMixerBase', 'NormAwareLinearAttention',
-           'NaLaSoftmaxAttention', 'GATE_CORES', 'set_fused_gates']
+           'NaLaSoftmaxAttention', 'GATE_CORES', 'SOFTMAX_CORES', 'set_fused_gates',
+           'set_fused_rope']
 
 
 class RoPE2d(nn.Module):
@@ -119,6 +120,8 @@ class RoPE2d(nn.Module):
 
 #: ``gate_core`` names of the NaLa mixers' gated output (:meth:`NaLaMixerBase.gated_output`)
 GATE_CORES = ('fast', 'fused')
+#: ``core`` names of :class:`NaLaSoftmaxAttention`
+SOFTMAX_CORES = ('fast', 'reference', 'fused')
 
 
 class NaLaMixerBase(BaseTokenMixer):
@@ -373,8 +376,11 @@ class NaLaSoftmaxAttention(NaLaMixerBase):
         qkv_bias (bool): bias of the ``qkvg`` projection. Defaults to True.
         proj_drop (float): dropout after ``out_proj``. Defaults to 0.
         core (str): ``'fast'`` (default: the gated output through
-            :class:`~linattn_mm.ops.lean_layers.NormGatedLinear`) or ``'reference'`` (plain
-            autograd step by step).
+            :class:`~linattn_mm.ops.lean_layers.NormGatedLinear`), ``'reference'`` (plain
+            autograd step by step) or ``'fused'`` (as ``'fast'``, the RoPE of q and k as one
+            Triton kernel each way that writes them in the dtype the attention reads,
+            :mod:`linattn_mm.ops.nala.rope_fused`, CUDA; set by :func:`set_fused_rope`, which
+            ``--attn-core fused`` calls).
         init_cfg (dict, optional): mmengine init config.
     """
 
@@ -382,7 +388,7 @@ class NaLaSoftmaxAttention(NaLaMixerBase):
                  qk_scale=None, attn_drop=0., qkv_bias=True, proj_drop=0., core='fast',
                  use_lepe=True, init_cfg=None):
         super().__init__(embed_dims, num_heads, 0, init_cfg)
-        self.core = check_core(type(self).__name__, core, ('fast', 'reference'))
+        self.core = check_core(type(self).__name__, core, SOFTMAX_CORES)
         self.scale = qk_scale or self.head_dims ** -0.5
         self.attn_drop = attn_drop
         self._build_common(embed_dims, qkv_bias, lepe_kernel_size, proj_drop, use_rope, rope_base,
@@ -413,19 +419,51 @@ class NaLaSoftmaxAttention(NaLaMixerBase):
             weights = (q @ k.transpose(-2, -1) * self.scale).softmax(-1)
         return dict(weights=weights, key_hw=tuple(hw_shape))
 
+    def _rotate_fused(self, q, k, hw_shape, rope, dtype):
+        """q and k rotated by the 2-D RoPE in float32 and written in ``dtype`` by one Triton
+        kernel each (:func:`~linattn_mm.ops.nala.rope_fused.rope_rotate_fused`), or cast to
+        ``dtype`` without it."""
+        from linattn_mm.ops.nala.rope_fused import rope_rotate_fused
+        if rope is None and self.use_rope:
+            rope = self.rotary(hw_shape)
+        sin, cos = self._rope(hw_shape, rope, torch.float32, q.device)
+        if sin is None:
+            return q.to(dtype), k.to(dtype)
+        return (rope_rotate_fused(q, sin, cos, dtype, rope),
+                rope_rotate_fused(k, sin, cos, dtype, rope))
+
     def forward(self, x, hw_shape, rope=None):
         self.check_input(x, hw_shape)
         # v cast once, so that the LePE and attention gradients are summed in float32; the LePE
         # keeps that v, the gate a float32 g, the attention its own copies (half precision
         # under autocast)
         q, k, v, g, lepe, _ = self._project(x, hw_shape, keep_low=False)
-        with no_autocast(x.device):  # the RoPE in float32, as the official code
-            q, k = self._rotate(q.to(v.dtype), k.to(v.dtype), hw_shape, rope)
+        if self.core == 'fused':  # the dtype autocast runs the attention in, q and k in it
+            low = autocast_dtype(x.device) or v.dtype
+            q, k = self._rotate_fused(q, k, hw_shape, rope, low)
+            attn_v = v.to(low)
+        else:
+            with no_autocast(x.device):  # the RoPE in float32, as the official code
+                q, k = self._rotate(q.to(v.dtype), k.to(v.dtype), hw_shape, rope)
+            attn_v = v
         # the products under the caller's autocast, as the official code's matmuls: in half
         # precision under autocast (softmax statistics in float32), in float32 otherwise
         out = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.attn_drop if self.training else 0., scale=self.scale)
+            q, k, attn_v, dropout_p=self.attn_drop if self.training else 0., scale=self.scale)
         return self.gated_output(out.to(v.dtype), lepe, g)
+
+
+def set_fused_rope(model, fused):
+    """Put every :class:`NaLaSoftmaxAttention` of ``model`` on ``core='fused'`` (``fused`` True:
+    the RoPE of q and k as Triton kernels) or from there back to ``'fast'`` (a mixer on
+    ``'reference'`` stays there when ``fused`` is False); returns how many are on it."""
+    mixers = [m for m in model.modules() if isinstance(m, NaLaSoftmaxAttention)]
+    for m in mixers:
+        if fused:
+            m.core = 'fused'
+        elif m.core == 'fused':
+            m.core = 'fast'
+    return sum(m.core == 'fused' for m in mixers)
 
 
 def set_fused_gates(model, fused):
