@@ -13,7 +13,8 @@ its core, forward and backward (CUDA; the default is the torch training Function
 the fused cores (torch's products, the elementwise passes as Triton kernels; CUDA), and
 NaLaFormer's blocks with their depth-wise conv sums as Triton kernels (``ffn_core='fused'``) and
 every NaLa mixer with its gated output's LayerNorm and gate as Triton kernels
-(``gate_core='fused'``).
+(``gate_core='fused'``), and NaLa's softmax mixers with the RoPE of q and k as a Triton kernel
+(their ``core='fused'``).
 
 ``--demo`` runs CONFIG on the generated demo data with the demo schedule (``linattn_mm.demo``).
 """
