@@ -346,6 +346,7 @@ class SplitLinear(torch.autograd.Function):
         kept = x
         if low is not None and x.dtype not in (low, torch.float64):
             x2 = kept = x2.to(low)  # autocast's own cast of the input (not of float64)
+            step = T  # one chunk, whatever ``rows`` says: the plain form's half-precision sums
         if step >= T:
             y = F.linear(x2, weight, bias)
         else:  # (CPU, float32 / float64, no autocast) each chunk written in place

@@ -1,5 +1,5 @@
 """The fused Pola core (:mod:`linattn_mm.ops.pola.fused`: the torch core's products, its
-elementwise passes as two Triton kernels) against the float64 reference core. Without a GPU its
+elementwise passes as three Triton kernels) against the float64 reference core. Without a GPU its
 kernels run in Triton's interpreter on CPU tensors (a subprocess with ``TRITON_INTERPRET=1``,
 ``tests/kernels/triton_interpret_checks.py pola-fused``); on ``meta`` tensors its launches are one
 operation each, with the bytes their kernels read and write."""

@@ -134,6 +134,38 @@ def test_the_attention_core_switch_takes_the_softmax_mixers_along(monkeypatch):
     assert set_fused_rope(net, True) == 2
 
 
+def test_a_float64_mixer_on_the_fused_core_is_the_torch_form():
+    # float64 q and k take the torch rotation with float64 tables (no kernel), under autocast
+    # too (which leaves float64 as it is): the same step as on core='fast', bit for bit, and the
+    # stage's shared tables keep their float64 angles for the mixers on 'fast'
+    torch.manual_seed(0)
+    m = NaLaSoftmaxAttention(32, 2).double().train()
+    x = torch.randn(2, 30 * 30, 32, dtype=torch.float64)
+    shared = RoPE2d(16).double()((30, 30))
+    for autocast in (False, True):
+        runs = []
+        for core in ('fast', 'fused', 'fast'):
+            m.core = core
+            m.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_()
+            with torch.autocast('cpu', dtype=torch.bfloat16, enabled=autocast):
+                out = m(xi, (30, 30), shared)
+            out.square().sum().backward()
+            runs.append([out.detach(), xi.grad] + [p.grad for p in m.parameters()])
+        for fused, fast_before, fast_after in zip(runs[1], runs[0], runs[2]):
+            assert fused.dtype == torch.float64
+            assert torch.equal(fused, fast_before) and torch.equal(fast_after, fast_before)
+
+
+def test_the_table_compiles_into_one_graph():
+    # under torch.compile the angles' table is made in the graph (the stage's cache of complex
+    # tables is the eager form's): fullgraph compiles, the same table
+    sin, cos = RoPE2d(16)((5, 6))
+    shared = type(RoPE2d(16)((5, 6)))(sin, cos)
+    compiled = torch.compile(rf.rope_table, fullgraph=True, backend='eager')
+    assert torch.equal(compiled(sin, cos, shared), rf.rope_table(sin, cos, shared))
+
+
 def test_other_inputs_take_the_torch_form_and_bad_ones_are_named(monkeypatch):
     # float64 and empty maps go through the torch rotation (the reference's numbers); the
     # Function names a wrong dtype, shape or device

@@ -485,8 +485,9 @@ def test_split_linear_keeps_the_autocast_cast_of_its_input():
         sum((outs[i].float() * weights[i]).sum() for i in used).backward()
         return outs, [t.grad for t in leaves], kept
 
-    for used in ((0, 1, 2, 3), (1, 3)):
-        got, got_g, kept = run(lambda x, w, b: SplitLinear.apply(x, w, b, 4), used)
+    for used, rows in (((0, 1, 2, 3), None), ((1, 3), None), ((0, 1, 2, 3), 16)):
+        # (rows: chunks of 16 tokens, the chunked path, in the autocast dtype too)
+        got, got_g, kept = run(lambda x, w, b: SplitLinear.apply(x, w, b, 4, rows), used)
         assert kept == [(torch.bfloat16, (80, 16)), (torch.float32, (32, 16))]
         want, want_g, _ = run(
             lambda x, w, b: F.linear(x, w, b).unflatten(-1, (4, 8)).unbind(-2), used)

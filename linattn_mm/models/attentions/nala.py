@@ -420,13 +420,14 @@ class NaLaSoftmaxAttention(NaLaMixerBase):
         return dict(weights=weights, key_hw=tuple(hw_shape))
 
     def _rotate_fused(self, q, k, hw_shape, rope, dtype):
-        """q and k rotated by the 2-D RoPE in float32 and written in ``dtype`` by one Triton
-        kernel each (:func:`~linattn_mm.ops.nala.rope_fused.rope_rotate_fused`), or cast to
-        ``dtype`` without it."""
+        """q and k rotated by the 2-D RoPE in float32 (float64 ones in float64) and written in
+        ``dtype`` by one Triton kernel each (:func:`~linattn_mm.ops.nala.rope_fused.
+        rope_rotate_fused`), or cast to ``dtype`` without it."""
         from linattn_mm.ops.nala.rope_fused import rope_rotate_fused
         if rope is None and self.use_rope:
             rope = self.rotary(hw_shape)
-        sin, cos = self._rope(hw_shape, rope, torch.float32, q.device)
+        sin, cos = self._rope(hw_shape, rope, torch.promote_types(q.dtype, torch.float32),
+                              q.device)
         if sin is None:
             return q.to(dtype), k.to(dtype)
         return (rope_rotate_fused(q, sin, cos, dtype, rope),
@@ -438,8 +439,11 @@ class NaLaSoftmaxAttention(NaLaMixerBase):
         # keeps that v, the gate a float32 g, the attention its own copies (half precision
         # under autocast)
         q, k, v, g, lepe, _ = self._project(x, hw_shape, keep_low=False)
-        if self.core == 'fused':  # the dtype autocast runs the attention in, q and k in it
-            low = autocast_dtype(x.device) or v.dtype
+        if self.core == 'fused':  # the dtype autocast runs the attention in (float64 it leaves
+            # as it is), q and k written in it
+            low = autocast_dtype(x.device)
+            if low is None or v.dtype == torch.float64:
+                low = v.dtype
             q, k = self._rotate_fused(q, k, hw_shape, rope, low)
             attn_v = v.to(low)
         else:

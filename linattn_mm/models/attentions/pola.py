@@ -106,7 +106,7 @@ class PolaLinearAttention(BaseTokenMixer):
             no copies either, :mod:`linattn_mm.ops.lean_layers`; equal to the reference up to
             float rounding, gradients included), ``'reference'`` (plain autograd of the official
             order of operations; the test oracle), ``'fused'`` (the fast core's products with
-            its elementwise passes as two Triton kernels, a training core for CUDA:
+            its elementwise passes as three Triton kernels, a training core for CUDA:
             :mod:`linattn_mm.ops.pola.fused`) or ``'triton'`` (the Triton kernels with their
             Triton backward, CUDA only: ``attn_cfg=dict(..., core='triton')`` trains with them;
             :func:`linattn_mm.deploy.convert` sets it for CUDA inference).

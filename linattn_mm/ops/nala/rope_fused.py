@@ -81,6 +81,7 @@ def _rope_op(x: torch.Tensor, table: torch.Tensor, conj: bool,
     (B, N, h, d) tensor in ``out_dtype``."""
     B, h, N, d = x.shape
     y = _rotated(x, out_dtype)
+    table = table.contiguous()
     block = fused_block(d)
     launch_fitted(_rope_kernel, (B * h, triton.cdiv(N, block)), x, table, y, N, h,
                   *x.stride(), num_warps=FUSED_WARPS, D2=d // 2,
@@ -100,8 +101,9 @@ def rope_table(sin, cos, shared=None):
     rope_turn`'s complex table, ``shared``'s (a :class:`~linattn_mm.ops.nala.fast.RopeTables`,
     made once for the stage) where given."""
     sin, cos = sin.to(torch.float32), cos.to(torch.float32)
-    turn = shared.turns(sin, cos)[0] if isinstance(shared, RopeTables) else rope_turn(sin, cos)
-    return torch.view_as_real(turn)
+    if isinstance(shared, RopeTables) and not torch.compiler.is_compiling():
+        return torch.view_as_real(shared.turns(sin, cos)[0])
+    return torch.view_as_real(rope_turn(sin, cos))  # (compiled: the compiler fuses it)
 
 
 def _check(x, table):
@@ -148,8 +150,9 @@ class RopeRotateFused(torch.autograd.Function):
 def rope_rotate_fused(x, sin, cos, out_dtype, shared=None):
     """``x`` (B, h, N, d) rotated by the RoPE tables ``sin``, ``cos`` (N, d) in float32 and
     returned in ``out_dtype``: through :class:`RopeRotateFused` for float32, bfloat16 and float16
-    ``x`` with tokens, else through :func:`~linattn_mm.ops.nala.fast.rotate_pairs` on float32
-    (``shared``: its :class:`~linattn_mm.ops.nala.fast.RopeTables`), then cast."""
+    ``x`` with tokens, else through :func:`~linattn_mm.ops.nala.fast.rotate_pairs` in the wider
+    of x's dtype and float32 (``shared``: its :class:`~linattn_mm.ops.nala.fast.RopeTables`),
+    then cast."""
     if x.dtype in TRITON_DTYPES and x.numel():
         return RopeRotateFused.apply(x, rope_table(sin, cos, shared), out_dtype)
     work = torch.promote_types(x.dtype, torch.float32)

@@ -10,8 +10,9 @@ q (B, h, N, d), k and v (B, h, n, d) per head; ``p`` the exponents (1, h, 1, d);
   their normalisers, the temperature and ``n^-1/2`` folded; with :mod:`.autograd`, the training
   Function that keeps only q, k, v and one small matrix per head for its analytic backward
   (``core='fast'``, the default);
-* :mod:`.fused` — the torch kernel's products with its elementwise passes (the features and
-  their gradients) as two Triton kernels, a training core for CUDA (``core='fused'``);
+* :mod:`.fused` — the torch kernel's products with its elementwise passes (the features, the
+  output's gradient, the features' gradients) as three Triton kernels, a training core for CUDA
+  (``core='fused'``);
 * :mod:`.triton` — the Triton kernels, forward and backward on CUDA (``core='triton'``; set by
   :func:`linattn_mm.deploy.convert` for CUDA inference, chosen in ``attn_cfg`` for training);
 * :mod:`.chunked_cpu` — the whole layer in CPU inference, chunk by chunk (a layer form, used by

@@ -150,7 +150,7 @@ if triton is not None:
 
 
 # ------------------------------------------------------------------------------------------------
-# The two launches as operators (``torch.ops.linattn_mm.pola_fused_*``), with fake forms: on
+# The three launches as operators (``torch.ops.linattn_mm.pola_fused_*``), with fake forms: on
 # ``meta`` tensors they have shapes, and the counters of linattn_mm.utils count what each kernel
 # reads and writes.
 # ------------------------------------------------------------------------------------------------
@@ -224,6 +224,7 @@ def _output_grad_op(r: torch.Tensor, grad: torch.Tensor, eps: float) -> torch.Te
     ``r = [num | den]`` (float32, contiguous; ``eps`` is added to its denominators as they are
     read) from the output's gradient ``grad`` (B, h, L, d) in its own dtype and strides: the
     formulas of :func:`~linattn_mm.ops.pola.autograd._output_grad`, in one pass."""
+    r = r.contiguous()
     B, h, L, d2 = r.shape
     d = d2 - 2
     dr = torch.empty_like(r)
