@@ -66,7 +66,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from linattn_mm.ops.common import autocast_dtype, autocast_on, core_dtype, no_autocast
+from linattn_mm.ops.common import (autocast_dtype, autocast_on, core_dtype, no_autocast,
+                                   promote_types)
 from linattn_mm.ops.dispatch import check_core
 from linattn_mm.ops.lean_layers import NormGatedLinear, depthwise_conv_tokens, split_linear
 from linattn_mm.ops.nala import (KERNELS, RopeTables, apply_rope, core_refusal, nala_attention,
@@ -426,8 +427,7 @@ class NaLaSoftmaxAttention(NaLaMixerBase):
         from linattn_mm.ops.nala.rope_fused import rope_rotate_fused
         if rope is None and self.use_rope:
             rope = self.rotary(hw_shape)
-        sin, cos = self._rope(hw_shape, rope, torch.promote_types(q.dtype, torch.float32),
-                              q.device)
+        sin, cos = self._rope(hw_shape, rope, promote_types(q.dtype, torch.float32), q.device)
         if sin is None:
             return q.to(dtype), k.to(dtype)
         return (rope_rotate_fused(q, sin, cos, dtype, rope),

@@ -29,6 +29,7 @@ each launch is one operation for the counters of :mod:`linattn_mm.utils`.
 """
 import torch
 
+from ..common import promote_types
 from ..dispatch import (FUSED_WARPS, TRITON_DTYPES, fused_block, launch_fitted, triton_available,
                         triton_module)
 from ..ffn.fused import _ROUNDING
@@ -155,5 +156,5 @@ def rope_rotate_fused(x, sin, cos, out_dtype, shared=None):
     then cast."""
     if x.dtype in TRITON_DTYPES and x.numel():
         return RopeRotateFused.apply(x, rope_table(sin, cos, shared), out_dtype)
-    work = torch.promote_types(x.dtype, torch.float32)
+    work = promote_types(x.dtype, torch.float32)
     return rotate_pairs(x.to(work), sin.to(work), cos.to(work), shared).to(out_dtype)
