@@ -196,6 +196,17 @@ def test_gradient_passes_up_to_head_dim_32_spill_nothing(core_builds):
     assert len(spills) == 12 and set(spills.values()) == {0}, spills
 
 
+def _assert_small(cases, arch, launches_of, shared_limit=4096):
+    """Each case (name -> its launches) launches the kernels ``launches_of(case)`` names, in
+    that order, each with three pipeline stages, at most ``shared_limit`` bytes of shared memory
+    and, on Hopper, no spills (elsewhere not assembled: None)."""
+    for case, launches in cases.items():
+        assert [launch[0] for launch in launches] == launches_of(case), (case, launches)
+        for name, stages, shared, spills, _ in launches:
+            assert stages == 3 and shared <= shared_limit, (case, name, stages, shared)
+            assert spills in (None, 0) if arch == 90 else spills is None, (case, name, spills)
+
+
 #: the fused cores' launches, forward and backward: Pola's key and query features, then the
 #: query features again, the output's gradient through the normalisation, the query features'
 #: gradients, the key features, their gradients; NaLa's the same without the output's gradient
@@ -221,12 +232,7 @@ def test_the_fused_cores_elementwise_kernels_are_small(builds, arch):
                           for family, extras in (('pola', 'pe+temperature'), ('nala', 'rope'))
                           for d, dtype in ((12, 'fp32'), (32, 'bf16'), (64, 'bf16'))} | {
                               'fused nala d32 bf16'}
-    for case, launches in cases.items():
-        family = case.split()[1]
-        assert [launch[0] for launch in launches] == FUSED_LAUNCHES[family], (case, launches)
-        for name, stages, shared, spills, _ in launches:
-            assert stages == 3 and shared <= 4096, (case, name, stages, shared)
-            assert spills in (None, 0) if arch == 90 else spills is None, (case, name, spills)
+    _assert_small(cases, arch, lambda case: FUSED_LAUNCHES[case.split()[1]])
 
 
 #: a block's conv sums, forward and backward: the ConvFFN's sum, then in its backward the sum
@@ -244,12 +250,8 @@ def test_the_fused_gate_is_small(builds, arch):
     cases = {case: launches for case, launches in _cases(builds[arch]).items()
              if case.startswith('fused gate ')}
     assert set(cases) == {'fused gate c64 fp32', 'fused gate c512 bf16'}
-    for case, launches in cases.items():
-        assert [launch[0] for launch in launches] == ['_norm_gate_kernel',
-                                                      '_norm_gate_grads_kernel'], case
-        for name, stages, shared, spills, _ in launches:
-            assert stages == 3 and shared <= 8192, (case, name, stages, shared)
-            assert spills in (None, 0) if arch == 90 else spills is None, (case, name, spills)
+    _assert_small(cases, arch, lambda case: ['_norm_gate_kernel', '_norm_gate_grads_kernel'],
+                  shared_limit=8192)
 
 
 @pytest.mark.parametrize('arch', sorted(GPUS))
@@ -260,11 +262,7 @@ def test_the_fused_rope_is_small(builds, arch):
     cases = {case: launches for case, launches in _cases(builds[arch]).items()
              if case.startswith('fused rope ')}
     assert set(cases) == {'fused rope d64 bf16', 'fused rope d16 fp32'}
-    for case, launches in cases.items():
-        assert [launch[0] for launch in launches] == ['_rope_kernel'] * 2, case
-        for name, stages, shared, spills, _ in launches:
-            assert stages == 3 and shared <= 4096, (case, name, stages, shared)
-            assert spills in (None, 0) if arch == 90 else spills is None, (case, name, spills)
+    _assert_small(cases, arch, lambda case: ['_rope_kernel'] * 2)
 
 
 @pytest.mark.parametrize('arch', sorted(GPUS))
@@ -277,8 +275,4 @@ def test_the_fused_conv_sums_are_small(builds, arch):
              if case.startswith(('fused convffn ', 'fused cpe ', 'fused residual '))}
     assert set(cases) == {f'fused {kind} {width}' for kind in ('convffn', 'cpe', 'residual')
                           for width in ('c64 fp32', 'c256 bf16')}
-    for case, launches in cases.items():
-        assert [launch[0] for launch in launches] == CONV_SUM_LAUNCHES[case.split()[1]], case
-        for name, stages, shared, spills, _ in launches:
-            assert stages == 3 and shared <= 4096, (case, name, stages, shared)
-            assert spills in (None, 0) if arch == 90 else spills is None, (case, name, spills)
+    _assert_small(cases, arch, lambda case: CONV_SUM_LAUNCHES[case.split()[1]])
