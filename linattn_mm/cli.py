@@ -125,10 +125,8 @@ def set_attention_core(model, core):
     ``ValueError`` when the model has none, for an unknown core name, for ``'triton'`` or
     ``'fused'`` where the model is not on a CUDA device (or Triton is missing), or for a NaLa mixer
     whose feature map has no such core (the paper's kernel, a constant query power), naming it."""
-    from linattn_mm.models.attentions.nala import (NormAwareLinearAttention, set_fused_gates,
-                                                   set_fused_rope)
+    from linattn_mm.models.attentions.nala import NormAwareLinearAttention
     from linattn_mm.models.attentions.pola import PolaLinearAttention
-    from linattn_mm.models.backbones.nalaformer import set_fused_blocks
     from linattn_mm.ops.dispatch import check_core, triton_available
     from linattn_mm.ops.nala import OFFICIAL_ONLY_CORES, core_refusal
     check_core('--attn-core', core)
@@ -146,12 +144,22 @@ def set_attention_core(model, core):
             raise ValueError(f"--attn-core {core}: {name} (kernel={m.kernel!r}, query_power="
                              f"{m.query_power}) has no {OFFICIAL_ONLY_CORES[core]} core (the "
                              f"official kernel only)")
-    set_fused_blocks(model, core == 'fused')  # checks its convs before it switches anything
-    set_fused_gates(model, core == 'fused')
-    set_fused_rope(model, core == 'fused')
+    set_fused_forms(model, core == 'fused')
     for _, m in mixers:
         m.core = core
     return len(mixers)
+
+
+def set_fused_forms(model, fused):
+    """Put the Triton forms that ``--attn-core fused`` adds to the fused cores on (``fused``) or
+    off: NaLaFormer blocks' conv sums (``ffn_core``), every NaLa mixer's gated output
+    (``gate_core``, softmax mixers included) and the softmax mixers' RoPE (their ``core``). The
+    blocks' convs are checked first: a refused one leaves everything as it was."""
+    from linattn_mm.models.attentions.nala import set_fused_gates, set_fused_rope
+    from linattn_mm.models.backbones.nalaformer import set_fused_blocks
+    set_fused_blocks(model, fused)  # checks its convs before it switches anything
+    set_fused_gates(model, fused)
+    set_fused_rope(model, fused)
 
 
 def build_runner(cfg):

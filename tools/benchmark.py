@@ -133,12 +133,12 @@ import torch.nn.functional as F
 
 import linattn_mm  # noqa: F401
 from linattn_mm import deploy
+from linattn_mm.cli import set_fused_forms
 from linattn_mm.flops import dummy_inputs
-from linattn_mm.models.attentions.nala import (NormAwareLinearAttention, RoPE2d, set_fused_gates,
-                                               set_fused_rope)
+from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d
 from linattn_mm.models.attentions.pola import PolaLinearAttention
 from linattn_mm.models.utils.layers import TransformerBlock
-from linattn_mm.models.backbones.nalaformer import NaLaBlock, set_fused_blocks
+from linattn_mm.models.backbones.nalaformer import NaLaBlock
 from linattn_mm.ops.common import autocast_on, no_autocast
 from linattn_mm.ops.dispatch import padded_head_dims, triton_available
 from linattn_mm.ops.nala import core_refusal
@@ -279,9 +279,7 @@ def set_impl(model, impl, ffn='auto', device=None, train=False):
             if dev.type not in ('cuda', 'meta'):
                 raise ValueError('--impls triton trains on --device cuda (or counts on meta)')
             deploy.revert(model)
-            set_fused_blocks(model, False)
-            set_fused_gates(model, False)
-            set_fused_rope(model, False)
+            set_fused_forms(model, False)
             for m in pola_modules(model):  # an earlier 'official' variant's bound forward
                 m.__dict__.pop('forward', None)
             for m in model.modules():
@@ -304,9 +302,7 @@ def set_impl(model, impl, ffn='auto', device=None, train=False):
         elif isinstance(m, NormAwareLinearAttention) and m.kernel == 'official':
             # the official map with a constant query power has no fused core
             m.core = 'fast' if core_refusal(CORE[impl], m.kernel, m.query_power) else CORE[impl]
-    set_fused_blocks(model, impl == 'fused')
-    set_fused_gates(model, impl == 'fused')
-    set_fused_rope(model, impl == 'fused')
+    set_fused_forms(model, impl == 'fused')
     if impl == 'official':
         for m in pola_modules(model):
             m.forward = types.MethodType(official_pola_forward, m)
