@@ -9,7 +9,7 @@ from linattn_mm.utils.autocast_meta import (meta_autocast_dtype, meta_autocast_e
                                            meta_autocast_off)
 
 __all__ = ['grad_needed', 'promote_types', 'into', 'sign_split', 'sign_split_dot', 'linear_into',
-           'chunked_layer_setup', 'MIN_CHUNK_ROWS',
+           'chunked_layer_setup', 'MIN_CHUNK_ROWS', 'core_chunk_rows', 'heads_buffer',
            'numpy_log2_', 'NUMPY_LOG2_MAX_THREADS', 'core_dtype', 'no_autocast', 'autocast_on',
            'token_chunk_rows', 'TOKEN_CHUNK_ELEMENTS', 'TOKEN_MIN_ROWS', 'add_or_take',
            'token_gram', 'token_gram_parts', 'TOKENS_PER_GRAM_PART', 'in_dtype_of',
@@ -76,6 +76,30 @@ def linear_into(inp, weight, bias, out):
 
 #: fewest tokens per chunk of the chunked layers when the chunk size follows the width
 MIN_CHUNK_ROWS = 256
+
+
+def heads_buffer(like, tokens, dtype):
+    """An empty (B, h, tokens, d) tensor that is a view of a (B, tokens, h, d) buffer (merging
+    the heads of a result written into it is free)."""
+    B, h, _, d = like.shape
+    return torch.empty(B, tokens, h, d, dtype=dtype, device=like.device).transpose(1, 2)
+
+
+def core_chunk_rows(name, q, rows, elements):
+    """Tokens per chunk of a core's training form for (B, h, N, d) tensors like ``q``: ``rows``
+    if given; on CPU ``elements // (B h d)``, at least :data:`MIN_CHUNK_ROWS` (a chunk's
+    temporaries then stay in the core's caches instead of being fresh full-size maps); elsewhere
+    all tokens in one chunk (a GPU gains nothing from cache-sized chunks, and many small launches
+    cost time). ``name``: the core, for the error on a ``rows`` below 1."""
+    if rows is None:
+        B, h, N, d = q.shape
+        if q.device.type != 'cpu':
+            return max(N, 1)
+        rows = max(MIN_CHUNK_ROWS, elements // max(B * h * d, 1))
+    if rows < 1:
+        raise ValueError(f'{name}: rows must be positive, got {rows}')
+    return rows
+
 
 #: values of one chunk of the training Functions that run over chunks of tokens on CPU
 #: (:func:`token_chunk_rows`: the FFN halves, the gated output and the split projections): a

@@ -127,24 +127,58 @@ def _nala_inputs(seed, dtype, rope):
     return q, k, v, sin, cos
 
 
+# (kernel, rows): the official kernel in one chunk (30 tokens) or in chunks of 7 tokens and a
+# last of 2 (the CPU training form's loops); the paper's kernel has no chunks
+NALA_FORMS = [('official', None), ('official', 7), ('paper', None)]
+
+
 @pytest.mark.parametrize('dtype', DTYPES)
-@pytest.mark.parametrize('kernel', ['official', 'paper'])
+@pytest.mark.parametrize('kernel,rows', NALA_FORMS)
 @pytest.mark.parametrize('rope,lam', [(True, 3.), (False, 3.), (True, 2.5)])
-def test_nala_core(dtype, kernel, rope, lam):
+def test_nala_core(dtype, kernel, rows, rope, lam):
     q, k, v, sin, cos = _nala_inputs(3, dtype, rope)
-    assert_same_gradients(nala_attention_fast, nala_attention_reference,
+    assert_same_gradients(partial(nala_attention_fast, rows=rows), nala_attention_reference,
                           [q, k, v, lam, 1e-6, sin, cos, kernel], dtype)
 
 
 @pytest.mark.parametrize('dtype', DTYPES)
-@pytest.mark.parametrize('kernel', ['official', 'paper'])
+@pytest.mark.parametrize('kernel,rows', NALA_FORMS)
 @pytest.mark.parametrize('rope,query_power', [(False, 2.), (True, 1.5), (False, 3.7)])
-def test_nala_core_constant_query_power(dtype, kernel, rope, query_power):
+def test_nala_core_constant_query_power(dtype, kernel, rows, rope, query_power):
     """A constant query power (the paper's Table 5 ablation) in the fast core's backward."""
     q, k, v, sin, cos = _nala_inputs(4, dtype, rope)
-    assert_same_gradients(partial(nala_attention_fast, query_power=query_power),
+    assert_same_gradients(partial(nala_attention_fast, query_power=query_power, rows=rows),
                           partial(nala_attention_reference, query_power=query_power),
                           [q, k, v, 3., 1e-6, sin, cos, kernel], dtype)
+
+
+def test_nala_core_chunks_on_cpu_only(monkeypatch):
+    """The training form's chunks: on CPU ``TRAIN_CHUNK_ELEMENTS // (B h d)`` tokens (at least
+    256), one chunk elsewhere (meta: a GPU's path) and where a map fits one; each chunk of the
+    forward and of the backward's two passes makes feature maps of its own tokens only."""
+    import linattn_mm.ops.nala.fast as nala_fast
+    from linattn_mm.ops.nala.fast import chunk_rows
+    assert chunk_rows(torch.empty(1, 1, 67200, 64)) == 1024
+    assert chunk_rows(torch.empty(1, 2, 16800, 64)) == 512
+    assert chunk_rows(torch.empty(2, 4, 4200, 64)) == 256
+    assert chunk_rows(torch.empty(1, 1, 67200, 64, device='meta')) == 67200
+    assert chunk_rows(torch.empty(1, 1, 30, 8), rows=7) == 7
+    with pytest.raises(ValueError, match='nala_attention_fast: rows must be positive, got 0'):
+        chunk_rows(torch.empty(1, 1, 30, 8), rows=0)
+    widths = []
+    features = nala_fast._query_features
+    monkeypatch.setattr(nala_fast, '_query_features',
+                        lambda q, *a: widths.append(q.shape[-2]) or features(q, *a))
+    import linattn_mm.ops.nala.autograd as nala_autograd
+    terms = nala_autograd._query_terms
+    monkeypatch.setattr(nala_autograd, '_query_terms',
+                        lambda q, *a: widths.append(q.shape[-2]) or terms(q, *a))
+    q, k, v, sin, cos = _nala_inputs(5, torch.float64, True)
+    nala_attention_fast(q, k, v, 3., 1e-6, sin, cos, rows=7).sum().backward()
+    assert widths == [7, 7, 7, 7, 2] * 2  # the forward's query chunks, then the backward's
+    widths.clear()
+    nala_attention_fast(q, k, v, 3., 1e-6, sin, cos).sum().backward()
+    assert widths == [30, 30]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -637,8 +671,8 @@ def test_training_forms_with_token_sums_in_parts(monkeypatch, dtype):
     test_pola_core(dtype, 2, 3, 37, 37, 8, False, None)
     test_pola_core(dtype, 1, 2, 40, 13, 7, False, None)
     pola = len(split)
-    test_nala_core(dtype, 'official', True, 3.)
-    test_nala_core(dtype, 'official', False, 3.)
+    test_nala_core(dtype, 'official', None, True, 3.)
+    test_nala_core(dtype, 'official', None, False, 3.)
     nala = len(split) - pola
     test_small_lean_layers(dtype, True)
     test_split_linear(dtype, True, 4, (0, 2, 3))

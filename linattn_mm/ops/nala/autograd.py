@@ -26,6 +26,11 @@ Backward, with ``g`` the output gradient (``R^T = -R``)::
 
 Exact zeros (a zero query element, or a zero query) give zero gradients, as in the reference.
 
+On CPU the forward and both passes of the backward run over chunks of tokens (the per-token
+terms above need only their own token; the sums over the tokens, ``W``, ``mean(fk)`` and their
+gradients, are summed over the chunks): the query pass first, then the key pass, which needs the
+whole ``dW`` and the gradient of ``mean(fk)``.
+
 The paper's cos/sin kernel has no analytic backward here: :class:`RecomputedCore` keeps the inputs
 only and runs the reference once more under autograd in its backward (gradients exactly those of
 the reference; one more forward of the core in time).
@@ -34,9 +39,10 @@ import math
 
 import torch
 
-from ..common import core_dtype, kept_input, sign_split, sign_split_dot, token_gram
+from ..common import core_dtype, heads_buffer, kept_input, sign_split, sign_split_dot, token_gram
 from ..common import in_dtype_of as _to
-from .fast import _query_terms, _key_power, _with_rope, key_matrix, nala_forward, rope_fold
+from .fast import (_key_power, _query_terms, _with_rope, chunk_rows, nala_forward, rope_fold,
+                   table_rows, token_chunks)
 from .reference import nala_attention_reference
 
 __all__ = ['NormAwareAttention', 'RecomputedCore', 'nala_attention_fast']
@@ -62,21 +68,25 @@ def _rope_grad(dF, sin, cos):
 class NormAwareAttention(torch.autograd.Function):
     """The official NaLa core with the backward of the module docstring. Inputs: q, k, v
     (B, h, N, d), ``power``, ``eps``, ``sin``, ``cos`` (N, d) or None, ``query_power`` (a constant
-    query exponent, or None for the norm-aware one).
+    query exponent, or None for the norm-aware one), ``v_keep``, ``rows`` (tokens per chunk; None:
+    :func:`~linattn_mm.ops.nala.fast.chunk_rows`).
 
     The core computes in :func:`~linattn_mm.ops.common.core_dtype` of q, k, v (float32 for half
     precision): inputs in a lower precision (the projections under autocast) are kept for
     backward as they are, not as float32 copies, and get their gradients in their own dtypes.
     ``v_keep`` (optional): a lower-precision tensor with ``v_keep.to(v.dtype) == v`` exactly,
     kept instead of ``v`` (the NaLa mixer's float32 ``v`` feeds the LePE too, so that the two
-    gradients of ``v`` are summed in float32)."""
+    gradients of ``v`` are summed in float32).
+
+    On CPU both passes run over chunks of tokens (as the Pola core's): the backward's query pass
+    recomputes a chunk's features, writes its part of dq and sums the gradients of the key-side
+    matrix and of the mean key features; the key pass then writes dk and dv chunk by chunk. Off
+    CPU (and for maps of one chunk) each pass is one chunk."""
 
     @staticmethod
-    def forward(ctx, q, k, v, power, eps, sin, cos, query_power=None, v_keep=None):
-        work = core_dtype(q, k, v)
-        out, w, k_mean = nala_forward(q.to(work), k.to(work), v.to(work), power, eps, sin, cos,
-                                      query_power)
-        ctx.power, ctx.eps, ctx.query_power = power, eps, query_power
+    def forward(ctx, q, k, v, power, eps, sin, cos, query_power=None, v_keep=None, rows=None):
+        out, w, k_mean = nala_forward(q, k, v, power, eps, sin, cos, query_power, rows)
+        ctx.power, ctx.eps, ctx.query_power, ctx.rows = power, eps, query_power, rows
         ctx.v_dtype = v.dtype  # a twin of another dtype may be kept instead of v
         ctx.save_for_backward(q, k, kept_input('NormAwareAttention', v, v_keep), sin, cos, w,
                               k_mean)
@@ -85,63 +95,108 @@ class NormAwareAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q0, k0, v0, sin, cos, w, k_mean = ctx.saved_tensors
-        q, k, v = (t.to(w.dtype) for t in (q0, k0, v0))
-        lam, rope = ctx.power, sin is not None
-        N = k.shape[-2]
-        qn, p, rel, c = _query_terms(q, lam, ctx.query_power)
+        need = ctx.needs_input_grad
+        work = w.dtype
+        N, n = q0.shape[-2], k0.shape[-2]
+        step_q, step_k = chunk_rows(q0, ctx.rows), chunk_rows(k0, ctx.rows)
+        if step_q >= N and step_k >= n:
+            q, k, v = (t.to(work) for t in (q0, k0, v0))
+            query = _QueryPass(ctx, q, grad, w, k_mean, sin, cos)
+            dk, dv = _key_pass(ctx, k, v, query.dw, query.dk_mean, sin, cos, N)
+            dq = query.input_grad()
+        else:
+            dq = heads_buffer(q0, N, work) if need[0] else None
+            dw = dk_mean = None
+            for sl in token_chunks(N, step_q):
+                query = _QueryPass(ctx, q0[:, :, sl].to(work), grad[:, :, sl].to(work), w,
+                                   k_mean, table_rows(sin, sl), table_rows(cos, sl), dw)
+                dw = query.dw
+                dk_mean = query.dk_mean if dk_mean is None else dk_mean.add_(query.dk_mean)
+                if dq is not None:
+                    dq[:, :, sl] = query.input_grad()
+                del query
+            dk = heads_buffer(k0, n, work) if need[1] else None
+            dv = heads_buffer(v0, n, work) if need[2] else None
+            for sl in token_chunks(n, step_k):
+                dk_c, dv_c = _key_pass(ctx, k0[:, :, sl].to(work), v0[:, :, sl].to(work), dw,
+                                       dk_mean, table_rows(sin, sl), table_rows(cos, sl), n)
+                if dk is not None:
+                    dk[:, :, sl] = dk_c
+                if dv is not None:
+                    dv[:, :, sl] = dv_c
+        return (_to(dq, q0), _to(dk, k0), None if dv is None else dv.to(ctx.v_dtype), None,
+                None, None, None, None, None, None)
+
+
+class _QueryPass:
+    """The backward's query side on a chunk of queries ``q`` (B, h, L, d) with the output's
+    gradient ``grad``: the gradient of the key-side matrix W summed into ``dw`` (``.dw``), that
+    of the mean key features from these queries (``.dk_mean``, (B, h, 2d)), and the terms of the
+    queries' own gradient (:meth:`input_grad`)."""
+
+    def __init__(self, ctx, q, grad, w, k_mean, sin, cos, dw=None):
+        rope = sin is not None
+        self.ctx, self.q = ctx, q
+        self.qn, self.p, self.rel, c = _query_terms(q, ctx.power, ctx.query_power)
         fq = sign_split(c)
         del c
-        den = (fq @ k_mean.unsqueeze(-1)).add_(ctx.eps)  # (B, h, N, 1)
+        den = (fq @ k_mean.unsqueeze(-1)).add_(ctx.eps)  # (B, h, L, 1)
         Fq = _with_rope(fq, sin, cos) if rope else fq
         num = Fq @ w
         dnum = grad / den
         dden = -(dnum * num).sum(-1, keepdim=True) / den
         del num, den
-        dFq, dW = dnum @ w.transpose(-2, -1), token_gram(Fq, dnum)
+        dFq, self.dw = dnum @ w.transpose(-2, -1), token_gram(Fq, dnum, acc=dw)
         del Fq, dnum
         dfq = _rope_grad(dFq, sin, cos) if rope else dFq
         del dFq
         dfq.addcmul_(dden, k_mean.unsqueeze(-2))
-        dk_mean = (dden * fq).sum(-2)  # (B, h, 2d)
+        self.dk_mean = (dden * fq).sum(-2)  # (B, h, 2d)
         del dden
-        G = sign_split_dot(dfq, fq)  # dc c, exactly (dfq+ relu(c) + dfq- relu(-c))
-        del fq, dfq
-        # keys
-        ck = _key_power(k, lam)
-        fk = sign_split(ck)
-        if rope:  # dM = dW_top + rot(dW_bottom), dA = [dM; -rot(dM)] / N: the forward's P
-            dA = rope_fold(dW, N)
-            Fk = _with_rope(fk, sin, cos)
-        else:
-            dA, Fk = dW * (1.0 / N), fk
-        vv = v.to(fk.dtype)
-        dv = Fk @ dA
-        dFk = vv @ dA.transpose(-2, -1)
-        del Fk, fk
-        dfk = _rope_grad(dFk, sin, cos) if rope else dFk
-        dfk.add_(dk_mean.unsqueeze(-2), alpha=1.0 / N)
-        if lam > 1:  # d(k^lam)/dk = 0 at k = 0: the branch taken there does not matter (where
-            # k^lam underflows to 0 for k != 0, dk is dfk- lam |k|^(lam-1), below 1e-38 in
-            # float32, where the reference gives 0)
-            d = k.shape[-1]
-            dck = torch.where(ck > 0, dfk[..., :d], dfk[..., d:].neg())
-        else:
-            dck = _split_grad(dfk, ck)
-        del dfk, dFk
-        dk = dck.mul_(3 * k * k if lam == 3 else lam * k.abs().pow(lam - 1))
-        # queries: c = sign(q) 2^(p rel), rel = log2|q| - log2||q||
+        self.G = sign_split_dot(dfq, fq)  # dc c, exactly (dfq+ relu(c) + dfq- relu(-c))
+
+    def input_grad(self):
+        """dq (B, h, L, d): ``c = sign(q) 2^(p rel)``, ``rel = log2|q| - log2||q||``."""
+        q, G, p, qn, lam = self.q, self.G, self.p, self.qn, self.ctx.power
         zero = q == 0  # G = 0 there: 0 / 0 and 0 * log2(0) are set to 0
         dq = (G * p).div_(q).masked_fill_(zero, 0.)
-        # the norm's term -dqn q / ||q||, per token (B, h, N, 1): -dqn = p sum_i G_i / ||q||
+        # the norm's term -dqn q / ||q||, per token (B, h, L, 1): -dqn = p sum_i G_i / ||q||
         # [- dp lam (1 - tanh^2 ||q||) for the norm-aware power, 1 - tanh^2 = cosh^-2]
         neg_dqn = G.sum(-1, keepdim=True).mul_(p).div_(qn)
-        if ctx.query_power is None:  # the norm-aware power: p depends on ||q||
-            dp = G.mul_(rel).masked_fill_(zero, 0.).sum(-1, keepdim=True)  # times ln 2
+        if self.ctx.query_power is None:  # the norm-aware power: p depends on ||q||
+            dp = G.mul_(self.rel).masked_fill_(zero, 0.).sum(-1, keepdim=True)  # times ln 2
             neg_dqn.addcmul_(dp, torch.cosh(qn).pow_(-2), value=-lam * _LN2)
-        del G
-        dq.addcmul_(neg_dqn.div_(qn).masked_fill_(qn == 0, 0.), q, value=-1.)  # 0: zero query
-        return (_to(dq, q0), _to(dk, k0), dv.to(ctx.v_dtype), None, None, None, None, None,
-                None)
+        self.G = self.rel = None
+        return dq.addcmul_(neg_dqn.div_(qn).masked_fill_(qn == 0, 0.), q, value=-1.)  # 0: zero q
+
+
+def _key_pass(ctx, k, v, dw, dk_mean, sin, cos, N):
+    """The backward's key side on a chunk of keys ``k`` and values ``v`` (B, h, L, d) from the
+    whole gradient ``dw`` of the key-side matrix and ``dk_mean`` of the mean key features (``N``
+    keys in all): returns dk and dv of the chunk."""
+    lam, rope = ctx.power, sin is not None
+    ck = _key_power(k, lam)
+    fk = sign_split(ck)
+    if rope:  # dM = dW_top + rot(dW_bottom), dA = [dM; -rot(dM)] / N: the forward's P
+        dA = rope_fold(dw, N)
+        Fk = _with_rope(fk, sin, cos)
+    else:
+        dA, Fk = dw * (1.0 / N), fk
+    vv = v.to(fk.dtype)
+    dv = Fk @ dA
+    dFk = vv @ dA.transpose(-2, -1)
+    del Fk, fk
+    dfk = _rope_grad(dFk, sin, cos) if rope else dFk
+    dfk.add_(dk_mean.unsqueeze(-2), alpha=1.0 / N)
+    if lam > 1:  # d(k^lam)/dk = 0 at k = 0: the branch taken there does not matter (where
+        # k^lam underflows to 0 for k != 0, dk is dfk- lam |k|^(lam-1), below 1e-38 in
+        # float32, where the reference gives 0)
+        d = k.shape[-1]
+        dck = torch.where(ck > 0, dfk[..., :d], dfk[..., d:].neg())
+    else:
+        dck = _split_grad(dfk, ck)
+    del dfk, dFk
+    return dck.mul_(3 * k * k if lam == 3 else lam * k.abs().pow(lam - 1)), dv
 
 
 class RecomputedCore(torch.autograd.Function):
@@ -169,7 +224,7 @@ class RecomputedCore(torch.autograd.Function):
 
 
 def nala_attention_fast(q, k, v, power=3., eps=1e-6, sin=None, cos=None, kernel='official',
-                        query_power=None, v_keep=None):
+                        query_power=None, v_keep=None, rows=None):
     """The NaLa core in its training form (the arguments and result of
     :func:`~linattn_mm.ops.nala.reference.nala_attention_reference`): the official kernel through
     :class:`NormAwareAttention` (the result is a (B, h, N, d) view of a (B, N, h, d) buffer;
@@ -180,7 +235,7 @@ def nala_attention_fast(q, k, v, power=3., eps=1e-6, sin=None, cos=None, kernel=
                          f'{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}')
     qp = None if query_power is None else float(query_power)
     if kernel == 'official':
-        return NormAwareAttention.apply(q, k, v, float(power), eps, sin, cos, qp, v_keep)
+        return NormAwareAttention.apply(q, k, v, float(power), eps, sin, cos, qp, v_keep, rows)
     work = core_dtype(q, k, v)
     return RecomputedCore.apply(
         lambda q_, k_, v_, s_, c_, power_, eps_, kernel_, qp_: nala_attention_reference(

@@ -27,12 +27,13 @@ NormAwareAttention` and of the inference forms. Results equal the reference up t
 """
 import torch
 
-from ..common import into, numpy_log2_, sign_split, token_gram
+from ..common import (core_chunk_rows, core_dtype, heads_buffer, into, numpy_log2_, sign_split,
+                      token_gram)
 from ..constants import shape_constant
 from .reference import apply_rope
 
-__all__ = ['nala_forward', 'key_matrix', 'rope_turn', 'rope_turns', 'rotate_pairs',
-           'RotatePairs', 'RopeTables']
+__all__ = ['nala_forward', 'chunk_rows', 'TRAIN_CHUNK_ELEMENTS', 'key_matrix', 'rope_turn',
+           'rope_turns', 'rotate_pairs', 'RotatePairs', 'RopeTables']
 
 
 def rope_turn(sin, cos):
@@ -202,10 +203,66 @@ def key_matrix(fk, v, sin, cos):
     return rope_fold(wk, n)
 
 
-def nala_forward(q, k, v, power, eps, sin, cos, query_power=None):
+#: elements of one (B, h, rows, d) chunk of q, k or v in the training form on CPU: rows =
+#: ``TRAIN_CHUNK_ELEMENTS // (B h d)`` tokens, at least ``MIN_CHUNK_ROWS`` (the features of a
+#: chunk are 2 or 4 times as wide)
+TRAIN_CHUNK_ELEMENTS = 2 ** 16
+
+
+def chunk_rows(q, rows=None):
+    """Tokens per chunk of the training form for (B, h, N, d) tensors like ``q``
+    (:func:`~linattn_mm.ops.common.core_chunk_rows` of :data:`TRAIN_CHUNK_ELEMENTS`: one chunk
+    off CPU)."""
+    return core_chunk_rows('nala_attention_fast', q, rows, TRAIN_CHUNK_ELEMENTS)
+
+
+def token_chunks(n, rows):
+    """Slices of ``rows`` tokens covering ``n``."""
+    return [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
+
+
+def table_rows(t, sl):
+    """Rows ``sl`` of a RoPE table (None stays None)."""
+    return None if t is None else t[..., sl, :]
+
+
+def nala_forward(q, k, v, power, eps, sin, cos, query_power=None, rows=None):
     """The kernel's computation without an autograd graph; returns the output (a (B, h, N, d) view
     of a (B, N, h, d) buffer), the key-side matrix (:func:`key_matrix`) and the mean key features
-    (..., 2d) of the denominator. ``query_power``: a constant query exponent (None: norm-aware)."""
+    (..., 2d) of the denominator. ``query_power``: a constant query exponent (None: norm-aware).
+    It computes in :func:`~linattn_mm.ops.common.core_dtype` of q, k, v, which may come in a
+    lower precision. ``rows``: tokens per chunk (:func:`chunk_rows`); in chunks the key pass sums
+    the key-side products chunk by chunk and the query pass writes its chunk of the output, so
+    that no full-size feature map is made."""
+    work = core_dtype(q, k, v)
+    N, n = q.shape[-2], k.shape[-2]
+    step_q, step_k = chunk_rows(q, rows), chunk_rows(k, rows)
+    if step_q >= N and step_k >= n:
+        return _forward_whole(q.to(work), k.to(work), v.to(work), power, eps, sin, cos,
+                              query_power)
+    wk = ks = None
+    for sl in token_chunks(n, step_k):
+        fk = _key_features(k[:, :, sl].to(work), power)
+        s = fk.sum(dim=-2)
+        ks = s if ks is None else ks.add_(s)
+        if sin is not None:
+            fk = _with_rope(fk, table_rows(sin, sl), table_rows(cos, sl))
+        wk = token_gram(fk, v[:, :, sl].to(work), acc=wk)
+        del fk
+    w = rope_fold(wk, n) if sin is not None else wk.mul_(1.0 / n)
+    k_mean = ks.mul_(1.0 / n)
+    out = heads_buffer(q, N, work)
+    for sl in token_chunks(N, step_q):
+        fq = _query_features(q[:, :, sl].to(work), power, query_power)
+        den = fq @ k_mean.unsqueeze(-1)
+        if sin is not None:
+            fq = _with_rope(fq, table_rows(sin, sl), table_rows(cos, sl))
+        into(torch.div, out[:, :, sl], fq @ w, den.add_(eps))
+    return out, w, k_mean
+
+
+def _forward_whole(q, k, v, power, eps, sin, cos, query_power):
+    """:func:`nala_forward` in one chunk (q, k, v in the working dtype)."""
     fq = _query_features(q, power, query_power)
     fk = _key_features(k, power)
     k_mean = fk.mean(dim=-2)

@@ -34,7 +34,7 @@ float64, gradients included).
 """
 import torch
 
-from ..common import (MIN_CHUNK_ROWS, core_dtype, into, numpy_log2_, promote_types,
+from ..common import (core_chunk_rows, core_dtype, heads_buffer, into, numpy_log2_, promote_types,
                       sign_split, token_gram)
 
 __all__ = ['polarity_features', 'polarity_forward', 'joined_query_weights', 'joined_weights',
@@ -164,24 +164,9 @@ TRAIN_CHUNK_ELEMENTS = 2 ** 17
 
 
 def chunk_rows(q, rows=None):
-    """Tokens per chunk for (B, h, N, d) tensors like ``q``: ``rows`` if given; on CPU by
-    :data:`TRAIN_CHUNK_ELEMENTS`; elsewhere all tokens in one chunk (a GPU gains nothing from
-    cache-sized chunks, and many small launches cost time)."""
-    if rows is None:
-        B, h, N, d = q.shape
-        if q.device.type != 'cpu':
-            return max(N, 1)
-        rows = max(MIN_CHUNK_ROWS, TRAIN_CHUNK_ELEMENTS // max(B * h * d, 1))
-    if rows < 1:
-        raise ValueError(f'polarity_attention_fast: rows must be positive, got {rows}')
-    return rows
-
-
-def heads_buffer(like, tokens, dtype):
-    """An empty (B, h, tokens, d) tensor that is a view of a (B, tokens, h, d) buffer (merging
-    the heads of a result written into it is free)."""
-    B, h, _, d = like.shape
-    return torch.empty(B, tokens, h, d, dtype=dtype, device=like.device).transpose(1, 2)
+    """Tokens per chunk for (B, h, N, d) tensors like ``q``
+    (:func:`~linattn_mm.ops.common.core_chunk_rows` of :data:`TRAIN_CHUNK_ELEMENTS`)."""
+    return core_chunk_rows('polarity_attention_fast', q, rows, TRAIN_CHUNK_ELEMENTS)
 
 
 def token_slice(t, sl, n, dtype=None):
