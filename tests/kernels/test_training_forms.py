@@ -817,7 +817,9 @@ def test_a_lower_precision_twin_is_kept_instead_of_the_input():
     cases = ((lambda v, keep: DepthwiseConvTokens.apply(v, (H, W), wt, None, (2, 2), 2, None,
                                                         keep), low, [wt]),
              (lambda v, keep: nala_attention_fast(qn, kn, v, 3., 1e-6, sin, cos, v_keep=keep),
-              low_h, [qn, kn]))
+              low_h, [qn, kn]),
+             (lambda v, keep: nala_attention_fast(qn, kn, v, 3., 1e-6, sin, cos, v_keep=keep,
+                                                  rows=7), low_h, [qn, kn]))  # in chunks
     for fn, twin, others in cases:
         results = []
         for keep in (None, twin):
@@ -842,6 +844,23 @@ def test_a_lower_precision_twin_is_kept_instead_of_the_input():
     with pytest.raises(ValueError, match=r"NormAwareAttention: the kept twin must have the "
                        r"input's shape"):
         nala_attention_fast(qn, kn, low_h.float(), 3., 1e-6, sin, cos, v_keep=low_h[:, :, 1:])
+
+
+def test_nala_core_chunks_read_half_precision_inputs():
+    """bfloat16 q, k, v (the projections under autocast) are cast chunk by chunk: in chunks of 7
+    tokens the output and the gradients are those of one chunk up to float32 rounding, in the
+    inputs' dtypes."""
+    q, k, v, sin, cos = _nala_inputs(9, torch.float32, True)
+    results = []
+    for rows in (None, 7):
+        leaves = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
+        out = nala_attention_fast(*leaves, 3., 1e-6, sin, cos, rows=rows)
+        (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+        assert out.dtype == torch.float32 and all(t.grad.dtype == torch.bfloat16 for t in leaves)
+        results.append([out.detach()] + [t.grad.float() for t in leaves])
+    for a, b in zip(*results):
+        assert rel(a, b) < 1e-2, rel(a, b)  # the gradients rounded to bfloat16 once each way
+    assert rel(results[0][0], results[1][0]) < 1e-5
 
 
 def test_core_dtypes_with_mixed_inputs():
