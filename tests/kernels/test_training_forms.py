@@ -173,12 +173,19 @@ def test_nala_core_chunks_on_cpu_only(monkeypatch):
     terms = nala_autograd._query_terms
     monkeypatch.setattr(nala_autograd, '_query_terms',
                         lambda q, *a: widths.append(q.shape[-2]) or terms(q, *a))
+    keys = []
+    for mod in (nala_fast, nala_autograd):
+        power = mod._key_power
+        monkeypatch.setattr(mod, '_key_power',
+                            lambda k, lam, power=power: keys.append(k.shape[-2]) or power(k, lam))
     q, k, v, sin, cos = _nala_inputs(5, torch.float64, True)
     nala_attention_fast(q, k, v, 3., 1e-6, sin, cos, rows=7).sum().backward()
     assert widths == [7, 7, 7, 7, 2] * 2  # the forward's query chunks, then the backward's
+    assert keys == [7, 7, 7, 7, 2] * 2  # the key chunks, forward and backward
     widths.clear()
+    keys.clear()
     nala_attention_fast(q, k, v, 3., 1e-6, sin, cos).sum().backward()
-    assert widths == [30, 30]
+    assert widths == [30, 30] and keys == [30, 30]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -844,6 +851,18 @@ def test_a_lower_precision_twin_is_kept_instead_of_the_input():
     with pytest.raises(ValueError, match=r"NormAwareAttention: the kept twin must have the "
                        r"input's shape"):
         nala_attention_fast(qn, kn, low_h.float(), 3., 1e-6, sin, cos, v_keep=low_h[:, :, 1:])
+
+
+def test_nala_core_refuses_keys_or_values_of_another_shape():
+    """The NaLa core attends over its own tokens (q, k, v of one shape, as the reference's
+    ``N^-1/2`` scaling and the RoPE tables assume): fewer keys, or values of another head dim,
+    are refused by name, in one chunk and in chunks alike."""
+    q, k, v, sin, cos = _nala_inputs(10, torch.float64, False)
+    for rows in (None, 7):
+        for kk, vv in ((k[:, :, :20], v[:, :, :20]), (k, v[..., :6])):
+            with pytest.raises(ValueError, match=r'nala_attention_fast: q, k, v must be '
+                               r'\(B, h, N, d\) of one shape'):
+                nala_attention_fast(q, kk, vv, 3., 1e-6, rows=rows)
 
 
 def test_nala_core_chunks_read_half_precision_inputs():

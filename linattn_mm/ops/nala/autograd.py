@@ -102,7 +102,7 @@ class NormAwareAttention(torch.autograd.Function):
         if step_q >= N and step_k >= n:
             q, k, v = (t.to(work) for t in (q0, k0, v0))
             query = _QueryPass(ctx, q, grad, w, k_mean, sin, cos)
-            dk, dv = _key_pass(ctx, k, v, query.dw, query.dk_mean, sin, cos, N)
+            dk, dv = _key_pass(ctx, k, v, query.dw, query.dk_mean, sin, cos, n)
             dq = query.input_grad()
         else:
             dq = heads_buffer(q0, N, work) if need[0] else None
@@ -230,9 +230,10 @@ def nala_attention_fast(q, k, v, power=3., eps=1e-6, sin=None, cos=None, kernel=
     :class:`NormAwareAttention` (the result is a (B, h, N, d) view of a (B, N, h, d) buffer;
     ``v_keep``: see there), the paper's kernel through :class:`RecomputedCore` (which keeps its
     inputs as they come; ``v_keep`` unused)."""
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f'nala_attention_fast: q, k, v must be (B, h, N, d), got '
-                         f'{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}')
+    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f'nala_attention_fast: q, k, v must be (B, h, N, d) of one shape (the '
+                         f'core attends over its own tokens), got {tuple(q.shape)}, '
+                         f'{tuple(k.shape)}, {tuple(v.shape)}')
     qp = None if query_power is None else float(query_power)
     if kernel == 'official':
         return NormAwareAttention.apply(q, k, v, float(power), eps, sin, cos, qp, v_keep, rows)

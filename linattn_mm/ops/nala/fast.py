@@ -251,7 +251,7 @@ def nala_forward(q, k, v, power, eps, sin, cos, query_power=None, rows=None):
         del fk
     w = rope_fold(wk, n) if sin is not None else wk.mul_(1.0 / n)
     k_mean = ks.mul_(1.0 / n)
-    out = heads_buffer(q, N, work)
+    out = heads_buffer(v, N, work)
     for sl in token_chunks(N, step_q):
         fq = _query_features(q[:, :, sl].to(work), power, query_power)
         den = fq @ k_mean.unsqueeze(-1)
