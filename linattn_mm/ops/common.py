@@ -10,7 +10,7 @@ from linattn_mm.utils.autocast_meta import (meta_autocast_dtype, meta_autocast_e
 
 __all__ = ['grad_needed', 'promote_types', 'into', 'sign_split', 'sign_split_dot', 'linear_into',
            'chunked_layer_setup', 'MIN_CHUNK_ROWS', 'core_chunk_rows', 'heads_buffer',
-           'numpy_log2_', 'NUMPY_LOG2_MAX_THREADS', 'core_dtype', 'no_autocast', 'autocast_on',
+           'token_chunks', 'token_slice', 'numpy_log2_', 'NUMPY_LOG2_MAX_THREADS', 'core_dtype', 'no_autocast', 'autocast_on',
            'token_chunk_rows', 'TOKEN_CHUNK_ELEMENTS', 'TOKEN_MIN_ROWS', 'add_or_take',
            'token_gram', 'token_gram_parts', 'TOKENS_PER_GRAM_PART', 'in_dtype_of',
            'kept_input', 'autocast_dtype']
@@ -99,6 +99,21 @@ def core_chunk_rows(name, q, rows, elements):
     if rows < 1:
         raise ValueError(f'{name}: rows must be positive, got {rows}')
     return rows
+
+
+def token_chunks(n, rows):
+    """Slices of ``rows`` tokens covering ``n`` tokens (the cores' chunk loops)."""
+    return [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
+
+
+def token_slice(t, sl, n, dtype=None):
+    """Tokens ``sl`` of a (.., n, d) tensor broadcast over the tokens or not (None stays None), in
+    ``dtype`` if given."""
+    if t is None:
+        return None
+    if t.shape[-2] == n and n != 1:
+        t = t[..., sl, :]
+    return t if dtype is None else t.to(dtype)
 
 
 #: values of one chunk of the training Functions that run over chunks of tokens on CPU

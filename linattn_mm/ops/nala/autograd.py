@@ -39,10 +39,10 @@ import math
 
 import torch
 
-from ..common import core_dtype, heads_buffer, kept_input, sign_split, sign_split_dot, token_gram
+from ..common import (add_or_take, core_dtype, heads_buffer, kept_input, sign_split,
+                      sign_split_dot, token_chunks, token_gram, token_slice)
 from ..common import in_dtype_of as _to
-from .fast import (_key_power, _query_terms, _with_rope, chunk_rows, nala_forward, rope_fold,
-                   table_rows, token_chunks)
+from .fast import _key_power, _query_terms, _with_rope, chunk_rows, nala_forward, rope_fold
 from .reference import nala_attention_reference
 
 __all__ = ['NormAwareAttention', 'RecomputedCore', 'nala_attention_fast']
@@ -109,9 +109,9 @@ class NormAwareAttention(torch.autograd.Function):
             dw = dk_mean = None
             for sl in token_chunks(N, step_q):
                 query = _QueryPass(ctx, q0[:, :, sl].to(work), grad[:, :, sl].to(work), w,
-                                   k_mean, table_rows(sin, sl), table_rows(cos, sl), dw)
+                                   k_mean, token_slice(sin, sl, N), token_slice(cos, sl, N), dw)
                 dw = query.dw
-                dk_mean = query.dk_mean if dk_mean is None else dk_mean.add_(query.dk_mean)
+                dk_mean = add_or_take(dk_mean, query.dk_mean)
                 if dq is not None:
                     dq[:, :, sl] = query.input_grad()
                 del query
@@ -119,7 +119,8 @@ class NormAwareAttention(torch.autograd.Function):
             dv = heads_buffer(v0, n, work) if need[2] else None
             for sl in token_chunks(n, step_k):
                 dk_c, dv_c = _key_pass(ctx, k0[:, :, sl].to(work), v0[:, :, sl].to(work), dw,
-                                       dk_mean, table_rows(sin, sl), table_rows(cos, sl), n)
+                                       dk_mean, token_slice(sin, sl, n), token_slice(cos, sl, n),
+                                       n)
                 if dk is not None:
                     dk[:, :, sl] = dk_c
                 if dv is not None:

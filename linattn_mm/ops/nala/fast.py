@@ -27,8 +27,8 @@ NormAwareAttention` and of the inference forms. Results equal the reference up t
 """
 import torch
 
-from ..common import (core_chunk_rows, core_dtype, heads_buffer, into, numpy_log2_, sign_split,
-                      token_gram)
+from ..common import (add_or_take, core_chunk_rows, core_dtype, heads_buffer, into, numpy_log2_,
+                      sign_split, token_chunks, token_gram, token_slice)
 from ..constants import shape_constant
 from .reference import apply_rope
 
@@ -216,16 +216,6 @@ def chunk_rows(q, rows=None):
     return core_chunk_rows('nala_attention_fast', q, rows, TRAIN_CHUNK_ELEMENTS)
 
 
-def token_chunks(n, rows):
-    """Slices of ``rows`` tokens covering ``n``."""
-    return [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
-
-
-def table_rows(t, sl):
-    """Rows ``sl`` of a RoPE table (None stays None)."""
-    return None if t is None else t[..., sl, :]
-
-
 def nala_forward(q, k, v, power, eps, sin, cos, query_power=None, rows=None):
     """The kernel's computation without an autograd graph; returns the output (a (B, h, N, d) view
     of a (B, N, h, d) buffer), the key-side matrix (:func:`key_matrix`) and the mean key features
@@ -244,9 +234,9 @@ def nala_forward(q, k, v, power, eps, sin, cos, query_power=None, rows=None):
     for sl in token_chunks(n, step_k):
         fk = _key_features(k[:, :, sl].to(work), power)
         s = fk.sum(dim=-2)
-        ks = s if ks is None else ks.add_(s)
+        ks = add_or_take(ks, s)
         if sin is not None:
-            fk = _with_rope(fk, table_rows(sin, sl), table_rows(cos, sl))
+            fk = _with_rope(fk, token_slice(sin, sl, n), token_slice(cos, sl, n))
         wk = token_gram(fk, v[:, :, sl].to(work), acc=wk)
         del fk
     w = rope_fold(wk, n) if sin is not None else wk.mul_(1.0 / n)
@@ -256,7 +246,7 @@ def nala_forward(q, k, v, power, eps, sin, cos, query_power=None, rows=None):
         fq = _query_features(q[:, :, sl].to(work), power, query_power)
         den = fq @ k_mean.unsqueeze(-1)
         if sin is not None:
-            fq = _with_rope(fq, table_rows(sin, sl), table_rows(cos, sl))
+            fq = _with_rope(fq, token_slice(sin, sl, N), token_slice(cos, sl, N))
         into(torch.div, out[:, :, sl], fq @ w, den.add_(eps))
     return out, w, k_mean
 

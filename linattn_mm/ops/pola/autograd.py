@@ -27,10 +27,10 @@ import math
 
 import torch
 
-from ..common import into, numpy_log2_, sign_split, sign_split_dot, token_gram
+from ..common import (heads_buffer, into, numpy_log2_, sign_split, sign_split_dot, token_chunks,
+                      token_gram, token_slice)
 from ..common import in_dtype_of as _to
-from .fast import (_scaled_into, chunk_rows, heads_buffer, joint_pass, joint_scaled,
-                   polarity_forward, token_slice)
+from .fast import _scaled_into, chunk_rows, joint_pass, joint_scaled, polarity_forward
 
 __all__ = ['PolarityAttention', 'polarity_attention_fast']
 
@@ -171,8 +171,7 @@ class PolarityAttention(torch.autograd.Function):
         rows = rows_q
         dq = heads_buffer(q, N, work) if need[0] else None
         dw = None
-        for i in range(0, N, rows):
-            sl = slice(i, min(i + rows, N))
+        for sl in token_chunks(N, rows):
             terms = _PowerTerms(q[:, :, sl].to(work), p, inv_scale, None)
             dr = _output_grad(terms.f @ w, grad[:, :, sl].to(work), ctx.eps)
             dw = token_gram(terms.f, dr, acc=dw)
@@ -186,8 +185,7 @@ class PolarityAttention(torch.autograd.Function):
         rows = rows_k
         dk = heads_buffer(k, n, work) if need[1] or need[6] else None
         dv = heads_buffer(v, n, work) if need[2] else None
-        for i in range(0, n, rows):
-            sl = slice(i, min(i + rows, n))
+        for sl in token_chunks(n, rows):
             terms = _PowerTerms(k[:, :, sl].to(work), p, inv_scale,
                                 token_slice(k_bias, sl, n, work))
             if dv is not None:

@@ -34,8 +34,8 @@ float64, gradients included).
 """
 import torch
 
-from ..common import (core_chunk_rows, core_dtype, heads_buffer, into, numpy_log2_, promote_types,
-                      sign_split, token_gram)
+from ..common import (add_or_take, core_chunk_rows, core_dtype, heads_buffer, into, numpy_log2_,
+                      promote_types, sign_split, token_chunks, token_gram, token_slice)
 
 __all__ = ['polarity_features', 'polarity_forward', 'joined_query_weights', 'joined_weights',
            'chunk_rows', 'heads_buffer', 'token_slice', 'joint_pass', 'joint_scaled',
@@ -169,16 +169,6 @@ def chunk_rows(q, rows=None):
     return core_chunk_rows('polarity_attention_fast', q, rows, TRAIN_CHUNK_ELEMENTS)
 
 
-def token_slice(t, sl, n, dtype=None):
-    """Tokens ``sl`` of a (.., n, d) tensor broadcast over the tokens or not (None stays None), in
-    ``dtype`` if given."""
-    if t is None:
-        return None
-    if t.shape[-2] == n and n != 1:
-        t = t[..., sl, :]
-    return t if dtype is None else t.to(dtype)
-
-
 def polarity_forward(q, k, v, p, eps, inv_scale, k_bias, rows=None):
     """The kernel's computation on (B, h, N, d) / (B, h, n, d) tensors, without an autograd graph,
     over chunks of tokens (:func:`chunk_rows`): the key pass accumulates ``[k+; k-]^T v`` and the
@@ -202,18 +192,16 @@ def polarity_forward(q, k, v, p, eps, inv_scale, k_bias, rows=None):
         del fk
     else:
         kv = ks = None
-        for i in range(0, n, step_k):
-            sl = slice(i, min(i + step_k, n))
+        for sl in token_chunks(n, step_k):
             f = polarity_features(k[:, :, sl].to(work), p, inv_scale,
                                   token_slice(k_bias, sl, n, work))
             kv = token_gram(f, v[:, :, sl].to(work), acc=kv)
             s = f.sum(dim=-2).unsqueeze(-1)
-            ks = s if ks is None else ks.add_(s)
+            ks = add_or_take(ks, s)
             del f
     w = joined_query_weights(kv, ks, n)
     out = heads_buffer(q, N, w.dtype)
-    for i in range(0, N, step_q):
-        sl = slice(i, min(i + step_q, N))
+    for sl in token_chunks(N, step_q):
         if fq is None:
             r = polarity_features(q[:, :, sl].to(work), p, inv_scale) @ w
         else:
