@@ -24,6 +24,22 @@ def all_configs():
     return {p for p in rel if '_base_' not in p.split('/')}
 
 
+def released_backbones(dense_only=False):
+    """The distinct backbone configs of ``configs/`` (without their pretrained weights), as
+    (first config path, backbone config) pairs; ``dense_only``: those of detectors and segmentors
+    (configs whose model has a neck or a decode head)."""
+    from mmengine.config import Config
+    seen = {}
+    for path in sorted(all_configs()):
+        model = Config.fromfile(osp.join(REPO, path)).get('model', {})
+        backbone = model.get('backbone')
+        dense = 'neck' in model or 'decode_head' in model
+        if backbone is not None and (dense or not dense_only):
+            backbone = {k: v for k, v in backbone.items() if k != 'init_cfg'}
+            seen.setdefault(repr(sorted(backbone.items())), (path, backbone))
+    return list(seen.values())
+
+
 def drop_checkpoints(root):
     """Delete checkpoint files under ``root`` (logs, configs and results stay); returns the
     number of bytes freed."""

@@ -6,13 +6,12 @@ fp16, 8% for bf16)."""
 import contextlib
 import functools
 import logging
-import os.path as osp
 
 import pytest
 import torch
 import torch.nn.functional as F
 from families import FAMILIES
-from harness import REPO, all_configs
+from harness import released_backbones
 from torch.utils._python_dispatch import TorchDispatchMode
 
 TOL = {torch.float16: 0.02, torch.bfloat16: 0.08}
@@ -183,18 +182,6 @@ def test_training_step_under_autocast_keeps_cuda_dtype_rules(name, dtype, monkey
             loss = sum(o.float().pow(2).mean() for o in model(x))
         loss.backward()
     assert not rules.mixed, rules.mixed
-
-
-def released_backbones():
-    """The distinct backbone configs of ``configs/`` (without their pretrained weights)."""
-    from mmengine.config import Config
-    seen = {}
-    for path in sorted(all_configs()):
-        backbone = Config.fromfile(osp.join(REPO, path)).get('model', {}).get('backbone')
-        if backbone is not None:
-            backbone = {k: v for k, v in backbone.items() if k != 'init_cfg'}
-            seen.setdefault(repr(sorted(backbone.items())), (path, backbone))
-    return list(seen.values())
 
 
 @pytest.mark.slow

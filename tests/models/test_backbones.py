@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from harness import released_backbones
 from oracles.shapes import expected_pyramid_hw
 
 from linattn_mm.models.backbones import LinAttnPVT, LinAttnPVTv2, LinAttnSwin, LinAttnViT
@@ -182,3 +183,63 @@ def test_autocast_inputs_x100(cls, arch, dtype):
         if dtype is torch.bfloat16:
             assert (o.float() - r).norm() / r.norm() < 0.05
     assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+
+
+def test_vit_pyramid_builds_no_final_norm_and_drops_a_checkpoints(tmp_path):
+    """A featmap ViT feeds its pyramid from the blocks' outputs: it builds no final ``norm`` (whose
+    parameters would get no gradient, which DDP refuses), and an official DeiT file's ``norm.*``
+    is dropped and reported; the classification outputs keep the norm."""
+    kw = dict(arch=dict(embed_dims=32, depth=4, num_heads=2))
+    cls_model = LinAttnViT(out_type='cls_token', **kw)
+    sd = {k: torch.randn_like(v) for k, v in cls_model.state_dict().items()}
+    assert {'norm.weight', 'norm.bias'} <= set(sd)
+    torch.save({'model': sd}, tmp_path / 'deit.pth')
+    m = LinAttnViT(init_cfg=dict(type='Pretrained', checkpoint=str(tmp_path / 'deit.pth')), **kw)
+    assert not hasattr(m, 'norm')
+    m.init_weights()
+    rep = m.pretrained_load_report
+    assert {'norm.weight', 'norm.bias'} <= set(rep.dropped)
+    assert {k.split('.')[0] for k in rep.missing} == {'fpn1', 'fpn2'}  # the new pyramid only
+    assert not rep.unexpected
+    torch.testing.assert_close(m.state_dict()['blocks.3.attn.qkv.weight'],
+                               sd['blocks.3.attn.qkv.weight'])
+    sum(o.sum() for o in m(torch.randn(1, 3, 64, 64))).backward()
+    assert [n for n, p in m.named_parameters() if p.grad is None] == []
+
+
+def test_vit_blocks_after_the_deepest_output_are_not_run():
+    """out_indices are block indices: blocks after the deepest one are not run (no gradient
+    either), and a warning names them and the default."""
+    kw = dict(arch=dict(embed_dims=32, depth=8, num_heads=2))
+    assert LinAttnViT(**kw).out_indices == (1, 3, 5, 7)
+    with pytest.warns(UserWarning, match=r'blocks 4\.\.7 feed no output.*\(1, 3, 5, 7\)'):
+        m = LinAttnViT(out_indices=(0, 1, 2, 3), **kw)
+    ran = []
+    for i, blk in enumerate(m.blocks):
+        blk.register_forward_hook(lambda mod, inp, out, i=i: ran.append(i))
+    outs = m(torch.randn(1, 3, 64, 64))
+    assert ran == [0, 1, 2, 3] and len(outs) == 4
+    sum(o.sum() for o in outs).backward()
+    assert {n.split('.')[1] for n, p in m.named_parameters()
+            if n.startswith('blocks.') and p.grad is None} == {'4', '5', '6', '7'}
+
+
+@pytest.mark.slow
+def test_released_dense_backbones_train_every_parameter():
+    """Every backbone of a detection / segmentation config in ``configs/``: one training step on
+    its outputs gives every parameter that trains a gradient (a parameter left out breaks DDP,
+    which the stock configs run without ``find_unused_parameters``, and stays at its pretrained
+    value)."""
+    from mmdet.registry import MODELS
+    backbones = released_backbones(dense_only=True)
+    assert len(backbones) > 30
+    unused = {}
+    for path, cfg in backbones:
+        torch.manual_seed(0)
+        model = MODELS.build(cfg).train()
+        size = max(64, getattr(model, 'min_input_size', 0))
+        sum(o.float().square().mean() for o in model(torch.randn(1, 3, size, size))).backward()
+        left = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+        if left:
+            unused[path] = left
+    assert not unused, unused

@@ -9,6 +9,6 @@ deit_t_backbone = dict(
     type='LinAttnViT',
     arch='t',
     drop_path_rate=0.1,
-    out_indices=(0, 1, 2, 3),
+    out_indices=(2, 5, 8, 11),  # block indices: the last block of each quarter
     init_cfg=dict(type='Pretrained', checkpoint=deit_t_pretrained)
 )

@@ -3,6 +3,8 @@
 Module names follow the official DeiT code (``patch_embed.proj``, ``cls_token``, ``pos_embed``,
 ``blocks.{i}``, ``norm``), so official DeiT checkpoints load without renaming.
 """
+import warnings
+
 import torch
 import torch.nn as nn
 
@@ -11,6 +13,11 @@ from ..utils.layers import PatchEmbed, make_blocks, nlc_to_nchw, resize_grid_emb
 from .base import LinAttnBackbone, drop_path_rates, resolve_arch
 
 _VIT_KEYS = ('embed_dims', 'depth', 'num_heads')
+
+
+def default_out_indices(depth):
+    """The blocks that feed the pyramid by default: the last of each quarter of the depth."""
+    return tuple(depth * (q + 1) // 4 - 1 for q in range(4))
 
 
 class ChannelLayerNorm(nn.LayerNorm):
@@ -32,11 +39,14 @@ class LinAttnViT(LinAttnBackbone):
         attn_cfg (dict): token mixer of every block. Default ``dict(type='GlobalSoftmaxAttention')``.
         with_cls_token (bool): prepend a class token (passed to mixers as one extra token).
         out_type (str): ``'featmap'`` — a simple feature pyramid (strides 4, 8, 16, 32) from the
-            outputs of the blocks in ``out_indices`` (for FPN/UperNet necks); ``'cls_token'`` —
-            the normalised class token (B, C); ``'avg_featmap'`` — the mean of the normalised grid
-            tokens (B, C) (classification).
-        out_indices (tuple[int]): blocks feeding the pyramid levels (4 entries, shallow to deep).
-            Default: the last block of each quarter of the depth.
+            outputs of the blocks in ``out_indices`` (for FPN/UperNet necks; no final ``norm`` is
+            built, as in ViTDet, and a checkpoint's ``norm.*`` is dropped and reported);
+            ``'cls_token'`` — the normalised class token (B, C); ``'avg_featmap'`` — the mean of
+            the normalised grid tokens (B, C) (classification).
+        out_indices (tuple[int]): *block* indices feeding the pyramid levels (4 entries, shallow
+            to deep). Default: the last block of each quarter of the depth, ``(2, 5, 8, 11)`` for
+            12 blocks. Blocks after the deepest one are not run (a warning says so: they would
+            get no gradient, which DDP refuses unless ``find_unused_parameters=True``).
         norm_eps (float): LayerNorm epsilon (1e-6 as in the official DeiT code).
         mlp_ratio, qkv_bias, drop_rate, drop_path_rate, with_cp, frozen_stages (number of blocks),
         norm_eval, pretrained, init_cfg: as the other skeletons.
@@ -67,13 +77,20 @@ class LinAttnViT(LinAttnBackbone):
         self.num_stages = depth
         self.out_type = out_type
         if out_indices is None:
-            out_indices = tuple(depth * (q + 1) // 4 - 1 for q in range(4))
+            out_indices = default_out_indices(depth)
         out_indices = tuple(out_indices)
         if out_type == 'featmap' and (len(out_indices) != 4 or
                                       any(i < 0 or i >= depth for i in out_indices)):
             raise ValueError(f'{name}: out_indices must be 4 block indices in [0, {depth}), got '
                              f'{out_indices}')
         self.out_indices = out_indices
+        # the blocks a featmap forward runs: up to the deepest one that feeds the pyramid
+        self.num_run_blocks = max(out_indices) + 1 if out_type == 'featmap' else depth
+        if self.num_run_blocks < depth:
+            warnings.warn(f'{name}: out_indices={out_indices} are block indices; blocks '
+                          f'{self.num_run_blocks}..{depth - 1} feed no output and are not run '
+                          f'(their weights get no gradient). The default is the last block of '
+                          f'each quarter of the depth, {default_out_indices(depth)}.')
         self.pretrain_img_size = pretrain_img_size
         self.patch_size = patch_size
         self.patch_embed = PatchEmbed(in_channels, C, patch_size, patch_size, norm=False)
@@ -90,7 +107,10 @@ class LinAttnViT(LinAttnBackbone):
             mlp_ratio=mlp_ratio, drop_rate=drop_rate, with_cp=with_cp, qkv_bias=qkv_bias,
             norm_eps=norm_eps,
             num_extra_tokens=self.num_extra_tokens, pretrain_hw=self.pretrain_hw, stage_idx=0)
-        self.norm = nn.LayerNorm(C, eps=norm_eps)
+        if out_type == 'featmap':  # the pyramid takes the blocks' outputs, not a final norm
+            self.pretrained_ignore_keys = type(self).pretrained_ignore_keys + (r'^norm\.', )
+        else:
+            self.norm = nn.LayerNorm(C, eps=norm_eps)
         if out_type == 'featmap':
             self.fpn1 = nn.Sequential(
                 nn.ConvTranspose2d(C, C, 2, 2), ChannelLayerNorm(C), nn.GELU(),
@@ -129,7 +149,7 @@ class LinAttnViT(LinAttnBackbone):
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
         x = self.pos_drop(x + pos)
         feats = []
-        for i, blk in enumerate(self.blocks):
+        for i, blk in enumerate(self.blocks[:self.num_run_blocks]):
             x = blk(x, hw)
             if self.out_type == 'featmap' and i in self.out_indices:
                 feats.append(nlc_to_nchw(x[:, self.num_extra_tokens:], hw))
