@@ -523,3 +523,19 @@ def test_official_file_into_dense_backbone(official_file):
     for k in ('layers.2.blocks.5.attn.qkvg.weight', 'patch_embed.proj.10.running_var',
               'layers.0.blocks.1.gamma_2', 'layers.3.blocks.1.ffn.dwconv.weight'):
         torch.testing.assert_close(got[k], ema[k])
+
+
+@pytest.mark.parametrize('size', [224, 256])
+def test_nalaformer_gives_other_mixers_the_stage_grid_at_the_pretraining_size(size):
+    """Any mixer fits the NaLaFormer hierarchy: a mixer with size-dependent parameters (Pola's
+    positional encoding, one row per token of the stage's grid at the pretraining resolution)
+    gets the grid ``pretrain_img_size // 4 // 2**i`` of stage ``i`` and runs on any input."""
+    m = NaLaFormer('xt', attn_cfg=dict(type='PolaLinearAttention'), pretrain_img_size=size)
+    for i, stage in enumerate(m.layers):
+        side = size // 4 // 2 ** i
+        assert stage.blocks[0].attn.positional_encoding.shape == (1, side * side,
+                                                                    m.embed_dims[i])
+    outs = m(torch.randn(1, 3, 100, 148))
+    assert [tuple(o.shape[-2:]) for o in outs] == [(25, 37), (13, 19), (7, 10), (4, 5)]
+    sum(o.square().mean() for o in outs).backward()
+    assert all(p.grad is not None for p in m.parameters())

@@ -125,6 +125,9 @@ class NaLaBlock(nn.Module):
             ``None`` or 0 disables LayerScale.
         drop_rate (float): dropout in the FFN and after the attention projection.
         block_idx (int), stage_idx (int): position (passed to the attention builder).
+        pretrain_hw (tuple[int, int], optional): the stage's grid at the pretraining resolution,
+            passed to mixers with size-dependent parameters (e.g. PolaFormer's positional
+            encoding).
         use_cpe (bool | tuple[bool, bool]): build ``cpe1`` / ``cpe2`` (one bool for both).
             Defaults to True (official).
 
@@ -141,7 +144,7 @@ class NaLaBlock(nn.Module):
 
     def __init__(self, embed_dims, num_heads, attn_cfg, mlp_ratio=4., drop_path=0.,
                  layer_scale_init_value=1., drop_rate=0., block_idx=0, stage_idx=0,
-                 use_cpe=True):
+                 use_cpe=True, pretrain_hw=None):
         super().__init__()
         cpe1, cpe2 = _cpe_pair(type(self).__name__, use_cpe)
         self.cpe1 = nn.Conv2d(embed_dims, embed_dims, 3, 1, 1, groups=embed_dims) \
@@ -149,7 +152,7 @@ class NaLaBlock(nn.Module):
         self.norm1 = LayerNorm2d(embed_dims)
         self.attn = build_attention(attn_cfg, embed_dims=embed_dims, num_heads=num_heads,
                                     proj_drop=drop_rate, block_idx=block_idx,
-                                    stage_idx=stage_idx)
+                                    stage_idx=stage_idx, pretrain_hw=pretrain_hw)
         self.drop_path = DropPath(drop_path)
         self.cpe2 = nn.Conv2d(embed_dims, embed_dims, 3, 1, 1, groups=embed_dims) \
             if cpe2 else None
@@ -232,11 +235,12 @@ class NaLaStage(nn.Module):
 
     def __init__(self, depth, embed_dims, num_heads, attn_cfg, dpr, mlp_ratio,
                  layer_scale_init_value, drop_rate, out_dims, norm_cfg, stage_idx, with_cp,
-                 use_cpe=True):
+                 use_cpe=True, pretrain_hw=None):
         super().__init__()
         self.blocks = nn.ModuleList([
             NaLaBlock(embed_dims, num_heads, attn_cfg, mlp_ratio, dpr[j], layer_scale_init_value,
-                      drop_rate, block_idx=j, stage_idx=stage_idx, use_cpe=use_cpe)
+                      drop_rate, block_idx=j, stage_idx=stage_idx, use_cpe=use_cpe,
+                      pretrain_hw=pretrain_hw)
             for j in range(depth)])
         uses_rope = any(b.takes_rope and b.attn.use_rope for b in self.blocks)
         self.RoPE = RoPE2d(embed_dims // num_heads, persistent=True) if uses_rope else None
@@ -301,6 +305,10 @@ class NaLaFormer(LinAttnBackbone):
             (``cpe1`` before the attention, ``cpe2`` before the FFN; a pair turns them on or off
             one by one). They are the official code's; the paper names CPE as its position
             encoding without details. Defaults to True.
+        pretrain_img_size (int): classification resolution; mixers with size-dependent
+            parameters (e.g. PolaFormer's positional encoding) get the stage grid at this size
+            (``pretrain_img_size // 4 // 2**i``) and resize it to the input. NaLa's own mixers
+            have none. Defaults to 224.
         frozen_stages (int): freeze the stem and the first ``frozen_stages`` stages (with their
             downsampling and output norms); -1 freezes nothing. Defaults to -1.
         norm_eval (bool): keep the BatchNorm layers in eval mode while training. Defaults to False.
@@ -333,7 +341,7 @@ class NaLaFormer(LinAttnBackbone):
                  out_indices=(0, 1, 2, 3), num_classes=-1, projection=1024,
                  drop_rate=0., drop_path_rate=None, layer_scale_init_values=None,
                  norm_cfg=dict(type='BN'), with_cp=False, frozen_stages=-1, norm_eval=False,
-                 pretrained=None, init_cfg=None, use_cpe=True):
+                 pretrained=None, init_cfg=None, use_cpe=True, pretrain_img_size=224):
         super().__init__(init_cfg, pretrained, frozen_stages, norm_eval)
         name = type(self).__name__
         a = resolve_arch(name, self.arch_zoo, arch, _ARCH_KEYS)
@@ -374,7 +382,7 @@ class NaLaFormer(LinAttnBackbone):
                 a['mlp_ratios'][i],
                 ls[i], drop_rate,
                 self.embed_dims[i + 1] if i < self.num_stages - 1 else None, norm_cfg, i,
-                with_cp, use_cpe))
+                with_cp, use_cpe, (max(1, pretrain_img_size // 4 // 2**i), ) * 2))
         self.extra_norms = nn.ModuleDict(
             {str(i): LayerNorm2d(self.embed_dims[i]) for i in out_indices})
         if num_classes > 0:
