@@ -71,14 +71,15 @@ def owner_of(model: torch.nn.Module, key: str) -> Tuple[Optional[torch.nn.Module
         return None, name
 
 
-def _interp(grid: torch.Tensor, size: Tuple[int, int]) -> torch.Tensor:
-    """Bicubic (align_corners=False) resize of a (N, C, H, W) tensor, computed in float32."""
+def _interp(grid: torch.Tensor, size: Tuple[int, int], mode: str = 'bicubic') -> torch.Tensor:
+    """``mode`` (bicubic or bilinear, align_corners=False) resize of a (N, C, H, W) tensor,
+    computed in float32 for half types."""
     if tuple(grid.shape[-2:]) == tuple(size):
         return grid
     dtype = grid.dtype
     work = grid.float() if dtype in (torch.float16, torch.bfloat16) or not dtype.is_floating_point \
         else grid
-    return F.interpolate(work, size=size, mode='bicubic', align_corners=False).to(dtype)
+    return F.interpolate(work, size=size, mode=mode, align_corners=False).to(dtype)
 
 
 def split_grid_tokens(key: str, length: int, max_extra: int, what: str) -> Tuple[int, int]:
@@ -111,12 +112,13 @@ def _source_grid(key: str, src: torch.Tensor, max_extra: int):
     return tokens[:n_extra], grid
 
 
-def resize_grid_tokens(key: str, src: torch.Tensor, dst_shape,
-                       max_extra: int) -> Tuple[torch.Tensor, str]:
+def resize_grid_tokens(key: str, src: torch.Tensor, dst_shape, max_extra: int,
+                       mode: str = 'bicubic') -> Tuple[torch.Tensor, str]:
     """A table on a square token grid resized to ``dst_shape``: ``(1, E + h*w, C)`` (or without
     the batch dim) with at most ``max_extra`` extra rows, or ``(1, C, H, W)``.
 
-    The grid is resized bicubically (align_corners=False, in float32 for half types); the first
+    The grid is resized bicubically (``mode``: or bilinearly, as the model's forward resizes it;
+    align_corners=False, in float32 for half types); the first
     ``min(E_src, E_dst)`` extra rows are kept, surplus checkpoint rows are dropped and missing ones
     zero-initialised (both said in the note).
     """
@@ -141,8 +143,8 @@ def resize_grid_tokens(key: str, src: torch.Tensor, dst_shape,
             f"'{key}': embedding dim differs (checkpoint {tuple(src.shape)}, model "
             f'{tuple(dst_shape)}); cannot be resized')
     if tuple(grid.shape[-2:]) != tuple(size):
-        notes.append(f'grid {grid.shape[-2]}x{grid.shape[-1]} -> {size[0]}x{size[1]} (bicubic)')
-    grid = _interp(grid, size)
+        notes.append(f'grid {grid.shape[-2]}x{grid.shape[-1]} -> {size[0]}x{size[1]} ({mode})')
+    grid = _interp(grid, size, mode)
     n_src = extra_src.shape[0]
     extra = extra_src[:min(n_src, n_extra_dst)]
     if n_src > n_extra_dst:
@@ -158,10 +160,11 @@ def resize_grid_tokens(key: str, src: torch.Tensor, dst_shape,
     return out.contiguous(), '; '.join(notes)
 
 
-def resize_pos_embed(key: str, src: torch.Tensor, dst_shape) -> Tuple[torch.Tensor, str]:
+def resize_pos_embed(key: str, src: torch.Tensor, dst_shape,
+                     mode: str = 'bicubic') -> Tuple[torch.Tensor, str]:
     """Absolute position embeddings ``(1, E + h*w, C)`` (E in {0, 1, 2} class/dist tokens) or
     ``(1, C, H, W)``: :func:`resize_grid_tokens` with up to two extra rows."""
-    return resize_grid_tokens(key, src, dst_shape, max_extra=2)
+    return resize_grid_tokens(key, src, dst_shape, max_extra=2, mode=mode)
 
 
 def resize_relative_position_table(key: str, src: torch.Tensor,

@@ -160,12 +160,13 @@ class LinAttnPVT(_PVTBase):
 
     def resize_checkpoint_tensor(self, name, src):
         """``pos_embed{i}`` of a checkpoint from another pretraining size: grid resized
-        bicubically; the class-token row of the official last stage is dropped (and noted).
-        Other names: not resized."""
+        bilinearly, as the forward resizes it to the input (so that a model loaded at another
+        ``pretrain_img_size`` gives the checkpoint model's outputs at that size); the class-token
+        row of the official last stage is dropped (and noted). Other names: not resized."""
         if re.fullmatch(r'pos_embed\d+', name) is None:
             return None
         from linattn_mm.checkpoint.resize import resize_pos_embed
-        return resize_pos_embed(name, src, getattr(self, name).shape)
+        return resize_pos_embed(name, src, getattr(self, name).shape, mode='bilinear')
 
 
 @register_backbone
