@@ -132,7 +132,7 @@ def _apply_model_pipeline(model: torch.nn.Module, sd: Dict[str, torch.Tensor], r
 def load_pretrained(model: torch.nn.Module, checkpoint, prefix: Optional[str] = None,
                     map_location='cpu', allow_unsafe_pickle: Optional[bool] = None,
                     prefer_ema: bool = True, strict: bool = False,
-                    logger=None) -> LoadReport:
+                    logger=None, min_loaded: float = 0.5) -> LoadReport:
     """Load pretrained weights into ``model`` safely and report exactly what happened.
 
     Args:
@@ -145,6 +145,10 @@ def load_pretrained(model: torch.nn.Module, checkpoint, prefix: Optional[str] = 
         prefer_ema: use EMA weights (``model_ema``/``state_dict_ema``) when present.
         strict: raise when any model key is missing or any checkpoint key is unexpected (checked
             before anything is copied into the model).
+        min_loaded: the share of the model's parameter values (elements) the checkpoint must
+            supply; below it the load is refused before anything is copied (a file of another
+            model, or with another code base's key names, matches only a few norms). 0 loads
+            whatever matches. Default 0.5.
         logger: where the summary goes, via ``mmengine.logging.print_log`` (WARNING level when
             keys are missing/unexpected, INFO otherwise); ``None`` means mmengine's current logger.
 
@@ -156,9 +160,9 @@ def load_pretrained(model: torch.nn.Module, checkpoint, prefix: Optional[str] = 
     ``model.load_state_dict(strict=False)``.
 
     Raises:
-        CheckpointError: nothing matches the model; a shape mismatch its module does not resize;
-            ``strict``
-            violations; plus everything :func:`safe_load` raises.
+        CheckpointError: nothing matches the model; less than ``min_loaded`` of it does; a shape
+            mismatch its module does not resize; ``strict`` violations; plus everything
+            :func:`safe_load` raises.
     """
     name = _ckpt_name(checkpoint)
     ckpt = _load_any(checkpoint, map_location, allow_unsafe_pickle)
@@ -176,6 +180,7 @@ def load_pretrained(model: torch.nn.Module, checkpoint, prefix: Optional[str] = 
                       if k not in matched and not any(rx.search(k) for rx in ignore)]
     report.loaded = list(matched)
 
+    _check_share_loaded(model, matched, report, name, min_loaded)
     if strict and (report.missing or report.unexpected):
         raise CheckpointError(
             f"strict loading of '{name}' into {type(model).__name__} failed: "
@@ -191,6 +196,27 @@ def load_pretrained(model: torch.nn.Module, checkpoint, prefix: Optional[str] = 
     level = logging.WARNING if (report.missing or report.unexpected) else logging.INFO
     print_log(report.summary(), logger='current' if logger is None else logger, level=level)
     return report
+
+
+def _check_share_loaded(model, matched, report, name, min_loaded):
+    """Refuse a load that would fill less than ``min_loaded`` of the model's parameter values."""
+    sizes = {k: p.numel() for k, p in model.named_parameters()}
+    total = sum(sizes.values())
+    if not total:
+        return
+    share = sum(n for k, n in sizes.items() if k in matched) / total
+    if share >= min_loaded:
+        return
+    raise CheckpointError(
+        f"checkpoint '{name}' would fill only {share:.1%} of {type(model).__name__}'s parameter "
+        f'values ({sum(k in matched for k in sizes)} of {len(sizes)} parameters; '
+        f'min_loaded={min_loaded}). {len(report.unexpected)} checkpoint key(s) match nothing, '
+        f'e.g. {format_keys(report.unexpected, 4)}; missing, e.g. '
+        f'{format_keys([k for k in sizes if k not in matched], 4)}. It looks like the file of '
+        f'another model, or with another code base\'s key names (rename them in '
+        f'{type(model).__name__}.convert_pretrained_state_dict, or convert the file first). To '
+        f'load what matches anyway, pass min_loaded=0 (in an init_cfg: dict(type=\'Pretrained\', '
+        f'checkpoint=..., min_loaded=0)).')
 
 
 def _plain_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -178,3 +178,28 @@ def test_pvt_pos_embed_resized_as_the_forward_resizes_it(tmp_path):
     with torch.no_grad():
         for got, want in zip(m(x), src(x)):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_a_file_that_fills_little_of_the_model_is_refused(tmp_path):
+    """A file with another code base's key names (here mmpretrain's Swin: ``stages.*`` for
+    ``layers.*``) matches only the norms outside the stages: the load is refused before anything
+    is copied, the error gives the share and how to load anyway; ``min_loaded=0`` loads what
+    matches."""
+    torch.manual_seed(0)
+    arch = dict(embed_dims=16, depths=[1, 1, 1, 1], num_heads=[1, 1, 2, 2])
+    sd = {k.replace('layers.', 'stages.', 1): torch.randn_like(v)
+          for k, v in LinAttnSwin(arch=arch).state_dict().items()}
+    torch.save({'state_dict': {'backbone.' + k: v for k, v in sd.items()}}, tmp_path / 'mmp.pth')
+    m = LinAttnSwin(arch=arch, **pretrained(tmp_path / 'mmp.pth'))
+    with pytest.raises(CheckpointError, match=r'fill only \d+\.\d% .*stages\.0\.blocks.*'
+                                              r'min_loaded=0'):
+        m.init_weights()
+    after = m.state_dict()
+    matching = [k for k in sd if k in after]  # the norms outside the stages
+    assert matching and not any(torch.equal(after[k], sd[k]) for k in matching)
+    m = LinAttnSwin(arch=arch, init_cfg=dict(type='Pretrained', checkpoint=str(tmp_path / 'mmp.pth'),
+                                             min_loaded=0))
+    m.init_weights()
+    torch.testing.assert_close(m.state_dict()['patch_embed.norm.weight'],
+                               sd['patch_embed.norm.weight'])
+    assert m.pretrained_load_report.missing and m.pretrained_load_report.unexpected

@@ -113,11 +113,11 @@ class LinAttnBackbone(BaseModule):
         pre = self._pretrained_cfg()
         if pre is not None:
             unknown = set(pre) - {'type', 'checkpoint', 'prefix', 'map_location',
-                                  'allow_unsafe_pickle', 'prefer_ema', 'strict'}
+                                  'allow_unsafe_pickle', 'prefer_ema', 'strict', 'min_loaded'}
             if unknown:
                 raise KeyError(f'unknown Pretrained init_cfg option(s) {sorted(unknown)}; valid: '
                                'checkpoint, prefix, map_location, allow_unsafe_pickle, '
-                               'prefer_ema, strict')
+                               'prefer_ema, strict, min_loaded')
         saved = self.init_cfg
         if pre is not None:
             rest = [c for c in (saved if isinstance(saved, (list, tuple)) else [saved])
@@ -140,7 +140,8 @@ class LinAttnBackbone(BaseModule):
             self, pre['checkpoint'], prefix=pre.get('prefix'),
             map_location=pre.get('map_location', 'cpu'),
             allow_unsafe_pickle=pre.get('allow_unsafe_pickle'),
-            prefer_ema=pre.get('prefer_ema', True), strict=pre.get('strict', False))
+            prefer_ema=pre.get('prefer_ema', True), strict=pre.get('strict', False),
+            min_loaded=pre.get('min_loaded', 0.5))
 
     # --- freezing ------------------------------------------------------------------------------
     def stem_modules(self):
