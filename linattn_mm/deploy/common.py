@@ -63,15 +63,16 @@ class InferenceForm:
         return x.device.type == self.device_type
 
     def cached(self, name, key_tensors, compute, extra_key=()):
-        """``compute()``, kept until one of ``key_tensors`` (the parameters it reads) changes
-        (another tensor, or an in-place update such as a checkpoint load) or ``extra_key``
-        differs."""
-        key = tuple(extra_key) + tuple((t.data_ptr(), t._version, t.dtype, t.device)
-                                       for t in key_tensors)
+        """``compute()``, kept while ``extra_key`` is the same and ``key_tensors`` (the small
+        parameters it reads, on CPU) hold the same values: compared with a copy, so that every
+        update counts (another tensor, a checkpoint load, and writes through ``.data`` as an EMA
+        swap makes them, which no version counter sees)."""
+        key = tuple(extra_key) + tuple((t.dtype, t.device, t.shape) for t in key_tensors)
         store = self.__dict__.setdefault('_inference_cache', {})
         hit = store.get(name)
-        if hit is not None and hit[0] == key:
-            return hit[1]
+        if hit is not None and hit[0] == key and all(
+                torch.equal(t, seen) for t, seen in zip(key_tensors, hit[1])):
+            return hit[2]
         value = compute()
-        store[name] = (key, value)
+        store[name] = (key, [t.detach().clone() for t in key_tensors], value)
         return value

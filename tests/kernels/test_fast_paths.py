@@ -211,6 +211,10 @@ def test_coefficient_cache_follows_parameter_updates():
             m.power.add_(0.5)
             m.scale.mul_(-1)
         assert_rel(fast(x, hw), ref(x, hw), torch.float32)
+        for m in (fast, ref):  # writes through .data (as an EMA swap makes them)
+            m.power.data.copy_(m.power.data * 0.5 - 0.25)
+            m.scale.data.add_(0.75)
+        assert_rel(fast(x, hw), ref(x, hw), torch.float32)
     deploy.revert(fast)
     assert '_inference_cache' not in fast.__dict__
 

@@ -261,7 +261,7 @@ def test_official_init_and_options():
 def test_positional_encoding_resized_and_cached():
     torch.manual_seed(0)
     m = randomise_(PolaLinearAttention(16, 2, pretrain_hw=(8, 8)))
-    pe = m.positional_encoding.detach()
+    pe = m.positional_encoding.detach().clone()
     want = F.interpolate(pe.reshape(1, 8, 8, 16).permute(0, 3, 1, 2), size=(5, 11),
                          mode='bicubic', align_corners=False).flatten(2).transpose(1, 2)
     torch.testing.assert_close(m.pos_enc((5, 11)), want)
@@ -271,14 +271,19 @@ def test_positional_encoding_resized_and_cached():
     x = torch.randn(1, 55, 16)
     with torch.no_grad():
         m(x, (5, 11))
-        a = m._inference_cache['pos_enc'][1]
+        a = m._inference_cache['pos_enc'][2]
         torch.testing.assert_close(a, want.reshape(55, 16))
         m(x, (5, 11))
-        assert m._inference_cache['pos_enc'][1] is a  # cached in inference
+        assert m._inference_cache['pos_enc'][2] is a  # cached in inference
         m.positional_encoding.mul_(2)  # in-place update invalidates the cache
         m(x, (5, 11))
-        b = m._inference_cache['pos_enc'][1]
-    torch.testing.assert_close(b, 2 * want.reshape(55, 16))
+        b = m._inference_cache['pos_enc'][2]
+        torch.testing.assert_close(b, 2 * want.reshape(55, 16))
+        # so does a write through .data (an EMA swap's), which no version counter sees
+        m.positional_encoding.data.copy_(3 * pe)
+        m(x, (5, 11))
+        c = m._inference_cache['pos_enc'][2]
+    torch.testing.assert_close(c, 3 * want.reshape(55, 16))
     deploy.revert(m)
     assert '_inference_cache' not in m.__dict__
     # on a 200x334 grid (stage 1 of a 1333x800 image) the module runs and the PE is resized
