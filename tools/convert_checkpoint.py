@@ -11,6 +11,8 @@ With ``--model`` the weights are also checked against (and resized to) that zoo 
 e.g. ``--model mask-rcnn_swin-t_fpn_1x_coco``; the load report is printed.
 """
 import argparse
+import logging
+import os.path as osp
 import sys
 
 import linattn_mm
@@ -33,8 +35,24 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def _quiet_model(name):
+    """The zoo model ``name`` with its default init, without mmengine's per-parameter init log
+    (hundreds of lines before the report)."""
+    from mmengine.logging import MMLogger
+    logger = MMLogger.get_current_instance()
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        return linattn_mm.get_model(name, backbone=dict(init_cfg=None), convert=False)
+    finally:
+        logger.setLevel(level)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if '://' not in args.src and not osp.isfile(args.src):
+        print(f'error: no checkpoint file {args.src!r}', file=sys.stderr)
+        return 1
     # steps: build the target model (with --model), then load, convert and write the file
     bar = progress_bar(2 if args.model else 1, 'convert', unit='step',
                        bar_format='{desc}: {n}/{total} steps |{bar}|{postfix} [{elapsed}]')
@@ -42,7 +60,7 @@ def main(argv=None):
     if args.model:
         if bar is not None:
             bar.set_postfix_str(f'building {args.model}')
-        model = linattn_mm.get_model(args.model, backbone=dict(init_cfg=None), convert=False)
+        model = _quiet_model(args.model)
         target = getattr(model, 'backbone', model)
         if bar is not None:
             bar.update()
@@ -53,7 +71,7 @@ def main(argv=None):
         report = convert_checkpoint(args.src, args.dst, prefix=args.prefix,
                                     allow_unsafe_pickle=True if args.allow_unsafe_pickle else None,
                                     prefer_ema=not args.no_ema, model=target)
-    except CheckpointError as e:
+    except (CheckpointError, OSError) as e:
         if bar is not None:
             bar.close()
         print(f'error: {e}', file=sys.stderr)

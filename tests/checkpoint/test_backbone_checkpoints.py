@@ -144,6 +144,8 @@ def test_convert_checkpoint_tool(tmp_path):
                           str(tmp_path / 'out.pth'), '--model', 'pvt-t_in1k'],
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
+    assert len(res.stdout.splitlines()) == 5, res.stdout[:2000]  # the report, no init log
+    assert "'model'): 156 loaded, 0 resized, 0 missing, 0 unexpected, 1 dropped" in res.stdout
     out = torch.load(tmp_path / 'out.pth', weights_only=True)
     keys = set(out['state_dict'])
     assert all(k.startswith('backbone.') for k in keys) and 'backbone.head.weight' not in keys
@@ -155,6 +157,10 @@ def test_convert_checkpoint_tool(tmp_path):
     m.init_weights()
     torch.testing.assert_close(m.state_dict()['block3.1.mlp.fc2.weight'],
                                official['block3.1.mlp.fc2.weight'])
+    res = subprocess.run([sys.executable, 'tools/convert_checkpoint.py', str(tmp_path / 'no.pth'),
+                          str(tmp_path / 'out2.pth')], capture_output=True, text=True)
+    assert res.returncode == 1 and 'Traceback' not in res.stderr
+    assert f"error: no checkpoint file '{tmp_path / 'no.pth'}'" in res.stderr
 
 
 def test_pvt_pos_embed_resized_as_the_forward_resizes_it(tmp_path):
