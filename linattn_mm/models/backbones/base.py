@@ -5,6 +5,7 @@ import copy
 import math
 import warnings
 
+import torch
 import torch.nn as nn
 from mmengine.model import BaseModule
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -13,7 +14,8 @@ from linattn_mm.models.attentions.base import BaseTokenMixer
 
 
 def resolve_arch(cls_name, arch_zoo, arch, required_keys):
-    """Return the arch settings for ``arch`` (a zoo name or a dict of settings)."""
+    """Return the arch settings for ``arch`` (a zoo name or a dict of settings). In a dict with
+    ``depths``, every other list is per stage and must have one entry per stage."""
     if isinstance(arch, str):
         key = arch.lower()
         if key not in arch_zoo:
@@ -27,6 +29,12 @@ def resolve_arch(cls_name, arch_zoo, arch, required_keys):
     if missing:
         raise KeyError(f'{cls_name}: custom arch is missing {sorted(missing)}; '
                        f'required keys: {sorted(required_keys)}')
+    depths = arch.get('depths')
+    if isinstance(depths, (list, tuple)):
+        for key, value in arch.items():
+            if isinstance(value, (list, tuple)) and len(value) != len(depths):
+                raise ValueError(f'{cls_name}: arch {key} has {len(value)} entries for '
+                                 f'{len(depths)} stages (depths={list(depths)})')
     return copy.deepcopy(dict(arch))
 
 
@@ -142,6 +150,20 @@ class LinAttnBackbone(BaseModule):
             allow_unsafe_pickle=pre.get('allow_unsafe_pickle'),
             prefer_ema=pre.get('prefer_ema', True), strict=pre.get('strict', False),
             min_loaded=pre.get('min_loaded', 0.5))
+
+    # --- input -------------------------------------------------------------------------------
+    def check_image(self, x):
+        """A clear error for an input that is not a batch of ``in_channels``-channel images
+        ``(B, C, H, W)`` (the layers would fail later with less telling errors)."""
+        name = type(self).__name__
+        want = getattr(self, 'in_channels', None)
+        if not torch.is_tensor(x) or x.dim() != 4:
+            got = tuple(x.shape) if torch.is_tensor(x) else type(x).__name__
+            raise ValueError(f'{name} takes a batch of images (B, {want or "C"}, H, W), got '
+                             f'{got}')
+        if want is not None and x.shape[1] != want:
+            raise ValueError(f'{name} was built for {want}-channel images (in_channels={want}), '
+                             f'got {x.shape[1]} channels: input {tuple(x.shape)}')
 
     # --- freezing ------------------------------------------------------------------------------
     def stem_modules(self):

@@ -343,15 +343,12 @@ class NaLaFormer(LinAttnBackbone):
                  norm_cfg=dict(type='BN'), with_cp=False, frozen_stages=-1, norm_eval=False,
                  pretrained=None, init_cfg=None, use_cpe=True, pretrain_img_size=224):
         super().__init__(init_cfg, pretrained, frozen_stages, norm_eval)
+        self.in_channels = in_channels
         name = type(self).__name__
         a = resolve_arch(name, self.arch_zoo, arch, _ARCH_KEYS)
         self.arch_settings = a
         depths = a['depths']
         self.num_stages = len(depths)
-        for key in ('embed_dims', 'num_heads', 'mlp_ratios'):
-            if len(a[key]) != self.num_stages:
-                raise ValueError(f'{name}: arch {key} has {len(a[key])} entries for '
-                                 f'{self.num_stages} stages')
         self.embed_dims = list(a['embed_dims'])
         self.num_features = self.embed_dims
         out_indices = tuple(out_indices)
@@ -364,6 +361,10 @@ class NaLaFormer(LinAttnBackbone):
         self.out_indices = out_indices
         self.num_classes = num_classes
 
+        if attn_cfg is RELEASED_ATTN_CFG and self.num_stages != len(RELEASED_ATTN_CFG):
+            raise ValueError(f'{name}: the default attn_cfg is the released layout of 4 stages '
+                             f'(NaLa in stages 1-2, softmax in 3-4); give attn_cfg (one dict, or '
+                             f'one per stage) for an arch of {self.num_stages} stages')
         attn_cfgs = per_stage(name, attn_cfg, self.num_stages)
         _cpe_pair(name, use_cpe)  # a clear error before any block is built
         if layer_scale_init_values is None:
@@ -427,6 +428,7 @@ class NaLaFormer(LinAttnBackbone):
     def forward(self, x):
         # channels-last maps: the convs run faster on CPU and the LayerNorms over the channels and
         # the mixers' token views of the maps need no transposing copies
+        self.check_image(x)
         x = self.patch_embed(x.contiguous(memory_format=torch.channels_last))
         outs = []
         for i, stage in enumerate(self.layers):

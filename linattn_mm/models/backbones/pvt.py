@@ -35,6 +35,7 @@ class _PVTBase(LinAttnBackbone):
                  with_cp=False, norm_eps=1e-6, frozen_stages=-1, norm_eval=False,
                  pretrained=None, init_cfg=None):
         super().__init__(init_cfg, pretrained, frozen_stages, norm_eval)
+        self.in_channels = in_channels
         name = type(self).__name__
         a = resolve_arch(name, self.arch_zoo, arch, _PVT_KEYS)
         self.arch_settings = a
@@ -77,13 +78,12 @@ class _PVTBase(LinAttnBackbone):
 
     @property
     def min_input_size(self):
-        """Smallest input side for which every spatial-reduction conv gets a full window."""
+        """Smallest input side for which every spatial-reduction conv gets a full window (the
+        reduction of each stage's mixer, which its config may set apart from the arch's)."""
         need = 1
         for i, stride in enumerate(self.strides):
-            sr = self.arch_settings['sr_ratios'][i]
-            cfg = getattr(self, f'block{i + 1}')[0].attn
-            if getattr(cfg, 'linear', False) or getattr(cfg, 'sr_ratio', 1) <= 1:
-                sr = 1
+            attn = getattr(self, f'block{i + 1}')[0].attn
+            sr = 1 if getattr(attn, 'linear', False) else max(1, getattr(attn, 'sr_ratio', 1))
             need = max(need, (sr - 1) * stride + 1)
         return need
 
@@ -99,6 +99,7 @@ class _PVTBase(LinAttnBackbone):
         return mods
 
     def forward(self, x):
+        self.check_image(x)
         H, W = x.shape[-2:]
         if min(H, W) < self.min_input_size:
             raise ValueError(f'{type(self).__name__}: input {H}x{W} is smaller than the minimum '

@@ -130,6 +130,7 @@ class PolyNLResNet(LinAttnBackbone):
                  norm_cfg=dict(type='BN', requires_grad=True), frozen_stages=-1, norm_eval=False,
                  zero_init_residual=True, with_cp=False, pretrained=None, init_cfg=None):
         super().__init__(init_cfg, pretrained, frozen_stages, norm_eval)
+        self.in_channels = in_channels
         name = type(self).__name__
         if depth not in self.arch_zoo:
             raise KeyError(f'{name}: unsupported depth {depth}; valid: {sorted(self.arch_zoo)}')
@@ -201,6 +202,7 @@ class PolyNLResNet(LinAttnBackbone):
         return mods
 
     def forward(self, x):
+        self.check_image(x)
         img = x
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
         outs = []

@@ -168,14 +168,12 @@ class SeTformer(LinAttnBackbone):
                  layer_scale_init_value=None, with_cp=False, frozen_stages=-1, norm_eval=False,
                  pretrained=None, init_cfg=None):
         super().__init__(init_cfg, pretrained, frozen_stages, norm_eval)
+        self.in_channels = in_channels
         name = type(self).__name__
         a = resolve_arch(name, self.arch_zoo, arch, _ARCH_KEYS)
         self.arch_settings = a
         depths = list(a['depths'])
         self.num_stages = len(depths)
-        if len(a['num_heads']) != self.num_stages:
-            raise ValueError(f'{name}: arch num_heads has {len(a["num_heads"])} entries for '
-                             f'{self.num_stages} stages')
         self.embed_dims = [a['embed_dims'] * 2**i for i in range(self.num_stages)]
         self.num_features = self.embed_dims
         out_indices = tuple(out_indices)
@@ -225,6 +223,7 @@ class SeTformer(LinAttnBackbone):
         return mods
 
     def forward(self, x):
+        self.check_image(x)
         x, hw = self.patch_embed(x)
         outs = []
         for i, stage in enumerate(self.layers):

@@ -62,6 +62,7 @@ class LinAttnSwin(LinAttnBackbone):
                  drop_rate=0., drop_path_rate=0.1, with_cp=False, norm_eps=1e-5, frozen_stages=-1,
                  norm_eval=False, pretrained=None, init_cfg=None):
         super().__init__(init_cfg, pretrained, frozen_stages, norm_eval)
+        self.in_channels = in_channels
         name = type(self).__name__
         a = resolve_arch(name, self.arch_zoo, arch, _SWIN_KEYS)
         self.arch_settings = a
@@ -127,6 +128,7 @@ class LinAttnSwin(LinAttnBackbone):
         return mods
 
     def forward(self, x):
+        self.check_image(x)
         x, hw = self.patch_embed(x)
         if self.use_abs_pos_embed:
             side = self.pretrain_img_size // self.patch_embed.stride

@@ -36,7 +36,8 @@ class LinAttnViT(LinAttnBackbone):
             or a dict with ``embed_dims, depth, num_heads``.
         in_channels (int), pretrain_img_size (int), patch_size (int): stem; ``pos_embed`` is sized
             for ``pretrain_img_size`` and resized (bicubic) to every input.
-        attn_cfg (dict): token mixer of every block. Default ``dict(type='GlobalSoftmaxAttention')``.
+        attn_cfg (dict): token mixer of every block (of the one stage; a list of one dict is
+            taken too). Default ``dict(type='GlobalSoftmaxAttention')``.
         with_cls_token (bool): prepend a class token (passed to mixers as one extra token).
         out_type (str): ``'featmap'`` — a simple feature pyramid (strides 4, 8, 16, 32) from the
             outputs of the blocks in ``out_indices`` (for FPN/UperNet necks; no final ``norm`` is
@@ -65,6 +66,7 @@ class LinAttnViT(LinAttnBackbone):
                  mlp_ratio=4., qkv_bias=True, drop_rate=0., drop_path_rate=0.1, with_cp=False,
                  norm_eps=1e-6, frozen_stages=-1, norm_eval=False, pretrained=None, init_cfg=None):
         super().__init__(init_cfg, pretrained, frozen_stages, norm_eval)
+        self.in_channels = in_channels
         name = type(self).__name__
         a = resolve_arch(name, self.arch_zoo, arch, _VIT_KEYS)
         self.arch_settings = a
@@ -76,13 +78,17 @@ class LinAttnViT(LinAttnBackbone):
         self.embed_dims = C
         self.num_stages = depth
         self.out_type = out_type
+        if out_type == 'featmap' and depth < 4:
+            raise ValueError(f'{name}: the pyramid takes 4 different blocks, and the arch has '
+                             f'{depth}; use out_type cls_token or avg_featmap, or a deeper arch')
         if out_indices is None:
             out_indices = default_out_indices(depth)
         out_indices = tuple(out_indices)
         if out_type == 'featmap' and (len(out_indices) != 4 or
-                                      any(i < 0 or i >= depth for i in out_indices)):
-            raise ValueError(f'{name}: out_indices must be 4 block indices in [0, {depth}), got '
-                             f'{out_indices}')
+                                      any(i < 0 or i >= depth for i in out_indices) or
+                                      any(a >= b for a, b in zip(out_indices, out_indices[1:]))):
+            raise ValueError(f'{name}: out_indices must be 4 increasing block indices in '
+                             f'[0, {depth}), got {out_indices}')
         self.out_indices = out_indices
         # the blocks a featmap forward runs: up to the deepest one that feeds the pyramid
         self.num_run_blocks = max(out_indices) + 1 if out_type == 'featmap' else depth
@@ -101,6 +107,11 @@ class LinAttnViT(LinAttnBackbone):
             self.cls_token = nn.Parameter(torch.zeros(1, 1, C))
         self.pos_embed = nn.Parameter(torch.zeros(1, self.num_extra_tokens + pre * pre, C))
         self.pos_drop = nn.Dropout(drop_rate)
+        if isinstance(attn_cfg, (list, tuple)):  # one stage: a list of one config is that one
+            if len(attn_cfg) != 1:
+                raise ValueError(f'{name}: attn_cfg is one config for the blocks of its one stage '
+                                 f'(a dict, or a list of one), got a list of {len(attn_cfg)}')
+            attn_cfg = attn_cfg[0]
         self.blocks = make_blocks(
             depth, drop_path_rates(drop_path_rate, [depth])[0], embed_dims=C,
             num_heads=a['num_heads'], attn_cfg=attn_cfg or self.default_attn_cfg,
@@ -143,6 +154,7 @@ class LinAttnViT(LinAttnBackbone):
         return [self.blocks[i]]
 
     def forward(self, x):
+        self.check_image(x)
         x, hw = self.patch_embed(x)
         pos = resize_grid_embed(self.pos_embed, self.pretrain_hw, hw, self.num_extra_tokens)
         if self.num_extra_tokens:
