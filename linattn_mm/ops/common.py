@@ -67,6 +67,21 @@ def no_autocast(device):
     return torch.autocast(device_type=device.type, enabled=False)
 
 
+def backward_without_autocast(backward):
+    """Decorator of a training Function's ``backward``: the body runs with autocast off on the
+    gradient's device, as the backward of torch's own operations does, so that a ``backward()``
+    called inside an autocast region (allowed, if not advised) computes what it computes outside
+    one: the dtypes the forward saved, float32 products where the forward ran them."""
+    @functools.wraps(backward)
+    def wrapped(ctx, *grads):
+        device = next((g.device for g in grads if isinstance(g, torch.Tensor)), None)
+        if device is None:
+            return backward(ctx, *grads)
+        with no_autocast(device):
+            return backward(ctx, *grads)
+    return wrapped
+
+
 def linear_into(inp, weight, bias, out):
     """``inp @ weight^T (+ bias)`` written into ``out`` (no new buffer; no autograd graph)."""
     if bias is None:

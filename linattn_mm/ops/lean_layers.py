@@ -36,8 +36,8 @@ from torch.utils.checkpoint import checkpoint
 
 from linattn_mm.utils.autocast_meta import (meta_autocast_as, meta_autocast_dtype,
                                             meta_autocast_enabled)
-from .common import (add_or_take, autocast_dtype, kept_input, linear_into, no_autocast,
-                     promote_types, token_chunk_rows, token_gram)
+from .common import (add_or_take, autocast_dtype, backward_without_autocast, kept_input,
+                     linear_into, no_autocast, promote_types, token_chunk_rows, token_gram)
 from .common import in_dtype_of as _to
 
 __all__ = ['DepthwiseConvTokens', 'depthwise_conv_tokens', 'GatedLinear', 'NormGatedLinear',
@@ -184,6 +184,7 @@ class DepthwiseConvTokens(torch.autograd.Function):
         return out.reshape(B, N, C)
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, grad):
         v, weight = ctx.saved_tensors
         B, N, C = v.shape
@@ -254,6 +255,7 @@ class GatedLinear(torch.autograd.Function):
         return out.view(*s.shape[:-1], out.shape[-1])
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, grad):
         s, g, weight = ctx.saved_tensors
         need = ctx.needs_input_grad
@@ -297,6 +299,7 @@ class NormGatedLinear(torch.autograd.Function):
         return F.linear(n * F.silu(g.to(n.dtype)), weight, bias)
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, grad):
         s, ln_w, ln_b, mean, rstd, g, weight = ctx.saved_tensors
         need = ctx.needs_input_grad
@@ -359,6 +362,7 @@ class SplitLinear(torch.autograd.Function):
         return y.unflatten(-1, (parts, y.shape[-1] // parts)).unbind(-2)
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, *grads):
         kept, weight = ctx.saved_tensors
         need = ctx.needs_input_grad
@@ -448,6 +452,7 @@ class GatherTokens(torch.autograd.Function):
         return out
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, grad):
         idx, holes, inv, inv_holes = ctx.saved_tensors
         need = ctx.needs_input_grad
@@ -513,6 +518,7 @@ class ScaledAdd(torch.autograd.Function):
         return out
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, grad):
         b, f = ctx.saved_tensors
         need = ctx.needs_input_grad

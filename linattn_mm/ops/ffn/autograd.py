@@ -18,7 +18,8 @@ its input's dtype.
 import torch
 import torch.nn.functional as F
 
-from ..common import add_or_take, linear_into, promote_types, token_chunk_rows
+from ..common import (add_or_take, backward_without_autocast, linear_into, promote_types,
+                      token_chunk_rows)
 from ..common import in_dtype_of as _to
 
 __all__ = ['FFNBranch', 'ConvFFNBranch', 'ffn_branch', 'conv_ffn_branch']
@@ -97,6 +98,7 @@ class FFNBranch(torch.autograd.Function):
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, grad):
         x, ln_w, ln_b, w1, w2, h = ctx.saved_tensors
         need = ctx.needs_input_grad
@@ -163,6 +165,7 @@ class ConvFFNBranch(torch.autograd.Function):
         return out
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, grad):
         x, ln_w, ln_b, mean, rstd, w1, dw_w, dw_b, w2, pre = ctx.saved_tensors
         need = ctx.needs_input_grad

@@ -33,7 +33,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..common import autocast_dtype, promote_types
+from ..common import autocast_dtype, backward_without_autocast, promote_types
 from ..common import in_dtype_of as _to
 from ..dispatch import (FUSED_WARPS, TRITON_DTYPES, fused_chunks, launch_fitted,
                         triton_available, triton_module)
@@ -279,6 +279,7 @@ class ScaledAddFused(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @backward_without_autocast
     def backward(ctx, grad):
         b, f = ctx.saved_tensors
         need = ctx.needs_input_grad
@@ -357,6 +358,7 @@ class ConvFFNBranchFused(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @backward_without_autocast
     def backward(ctx, grad):
         x, ln_w, ln_b, mean, rstd, w1, dw_w, dw_b, w2, pre = ctx.saved_tensors
         need = ctx.needs_input_grad
@@ -404,6 +406,7 @@ class ConvResidualFused(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @backward_without_autocast
     def backward(ctx, grad):
         xc, weight, bias = ctx.saved_tensors
         need = ctx.needs_input_grad

@@ -39,8 +39,8 @@ import math
 
 import torch
 
-from ..common import (add_or_take, core_dtype, heads_buffer, kept_input, sign_split,
-                      sign_split_dot, token_chunks, token_gram, token_slice)
+from ..common import (add_or_take, backward_without_autocast, core_dtype, heads_buffer, kept_input,
+                      sign_split, sign_split_dot, token_chunks, token_gram, token_slice)
 from ..common import in_dtype_of as _to
 from .fast import _key_power, _query_terms, _with_rope, chunk_rows, nala_forward, rope_fold
 from .reference import nala_attention_reference
@@ -93,6 +93,7 @@ class NormAwareAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, grad):
         q0, k0, v0, sin, cos, w, k_mean = ctx.saved_tensors
         need = ctx.needs_input_grad
@@ -213,6 +214,7 @@ class RecomputedCore(torch.autograd.Function):
             return fn(*args)
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, grad):
         tensors = [t.detach().requires_grad_(need) if t is not None else None
                    for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad[2:])]

@@ -27,8 +27,9 @@ NormAwareAttention` and of the inference forms. Results equal the reference up t
 """
 import torch
 
-from ..common import (add_or_take, core_chunk_rows, core_dtype, heads_buffer, into, numpy_log2_,
-                      sign_split, token_chunks, token_gram, token_slice)
+from ..common import (add_or_take, backward_without_autocast, core_chunk_rows, core_dtype,
+                      heads_buffer, into, numpy_log2_, sign_split, token_chunks, token_gram,
+                      token_slice)
 from ..constants import shape_constant
 from .reference import apply_rope
 
@@ -103,6 +104,7 @@ class RotatePairs(torch.autograd.Function):
         return _turn_pairs(x, turns[0])
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, grad):
         sin, cos, back = ctx.saved_tensors
         if back is None:

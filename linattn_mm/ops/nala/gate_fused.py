@@ -44,7 +44,7 @@ from typing import Tuple
 import torch
 import torch.nn.functional as F
 
-from ..common import autocast_dtype, token_gram
+from ..common import autocast_dtype, backward_without_autocast, token_gram
 from ..common import in_dtype_of as _to
 from ..dispatch import FUSED_WARPS, TRITON_DTYPES, fused_chunks, launch_fitted, triton_module
 from ..ffn.fused import _ROUNDING
@@ -235,6 +235,7 @@ class NormGatedLinearFused(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @backward_without_autocast
     def backward(ctx, grad):
         s2, lw, lb, g2, weight = ctx.saved_tensors
         need = ctx.needs_input_grad

@@ -29,7 +29,7 @@ each launch is one operation for the counters of :mod:`linattn_mm.utils`.
 """
 import torch
 
-from ..common import promote_types
+from ..common import backward_without_autocast, promote_types
 from ..dispatch import (FUSED_WARPS, TRITON_DTYPES, fused_block, launch_fitted, triton_available,
                         triton_module)
 from ..ffn.fused import _ROUNDING
@@ -140,6 +140,7 @@ class RopeRotateFused(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @backward_without_autocast
     def backward(ctx, grad):
         (table, ) = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:

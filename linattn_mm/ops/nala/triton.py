@@ -49,7 +49,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..common import kept_input
+from ..common import backward_without_autocast, kept_input
 from ..dispatch import core_blocks, core_launch, dot_precision, launch_fitted
 from ..pola.triton import (_LIB, _padded, _partials, _split, check_qkv, register_dot_flops,
                           triton)
@@ -495,6 +495,7 @@ class NormAwareAttentionTriton(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @backward_without_autocast
     def backward(ctx, grad):
         q, k, v, sin, cos, w, km = ctx.saved_tensors
         lam, eps, blocks, DP, v_dtype = ctx.args

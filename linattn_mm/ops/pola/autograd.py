@@ -27,8 +27,8 @@ import math
 
 import torch
 
-from ..common import (heads_buffer, into, numpy_log2_, sign_split, sign_split_dot, token_chunks,
-                      token_gram, token_slice)
+from ..common import (backward_without_autocast, heads_buffer, into, numpy_log2_, sign_split,
+                      sign_split_dot, token_chunks, token_gram, token_slice)
 from ..common import in_dtype_of as _to
 from .fast import _scaled_into, chunk_rows, joint_pass, joint_scaled, polarity_forward
 
@@ -145,6 +145,7 @@ class PolarityAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, grad):
         q, k, v, p, inv_scale, k_bias, w = ctx.saved_tensors
         need = ctx.needs_input_grad

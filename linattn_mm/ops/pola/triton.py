@@ -58,6 +58,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from linattn_mm.utils.op_counter import register_compute_dtype
 
+from ..common import backward_without_autocast
 from ..dispatch import (TRITON_DTYPES, core_blocks, core_launch, dot_precision, launch_fitted,
                         multiprocessors, padded_head_dims, triton_available, triton_module)
 
@@ -542,6 +543,7 @@ class PolarityAttentionTriton(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @backward_without_autocast
     def backward(ctx, grad):
         q, k, v, k_bias, pf, inv_s, w, ks = ctx.saved_tensors
         need = ctx.needs_input_grad

@@ -9,6 +9,8 @@ import torch
 import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
+from ..common import backward_without_autocast
+
 __all__ = ['gaussian_kernel', 'nystrom_similarity', 'nystrom_inv_sqrt', 'nystrom_embedding',
            'positional_log_kernel',
            'log_sinkhorn', 'transport_plan', 'self_transport_attention', 'self_transport_terms',
@@ -123,6 +125,7 @@ class _LseStep(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @backward_without_autocast
     def backward(ctx, grad_out):
         log_k, pot, out = ctx.saved_tensors
         if ctx.dim == -1:
