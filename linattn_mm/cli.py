@@ -162,6 +162,44 @@ def set_fused_forms(model, fused):
     set_fused_rope(model, fused)
 
 
+def checkpoint_file_exists(path):
+    """Whether ``path`` is an existing file (URLs and OpenMMLab names, ``scheme://...``, are taken
+    as they are: the loader fetches them)."""
+    return '://' in str(path) or osp.isfile(path)
+
+
+def check_test_checkpoint(model, path, partial=False, shown=4):
+    """Raise when the checkpoint at ``path`` lacks parameters of ``model`` (the model to evaluate,
+    inside any wrappers) or holds them in other shapes: mmengine's runner loads what matches and
+    evaluates the rest at its initial values with a warning. ``partial``: only warn."""
+    import warnings
+    from mmengine.model import BaseTTAModel, is_model_wrapper
+
+    from linattn_mm.checkpoint import extract_state_dict, safe_load
+    while is_model_wrapper(model) or isinstance(model, BaseTTAModel):
+        model = model.module
+    state, _ = extract_state_dict(safe_load(path), prefer_ema=False)
+    state = {k[len('module.'):] if k.startswith('module.') else k: v for k, v in state.items()}
+    params = dict(model.named_parameters())
+    missing = [k for k in params if k not in state]
+    other = [f"'{k}': checkpoint {tuple(state[k].shape)}, model {tuple(p.shape)}"
+             for k, p in params.items() if k in state and state[k].shape != p.shape]
+    if not missing and not other:
+        return
+    problem = (f'checkpoint {path!r} does not fit the model of the config: '
+               + '; '.join(filter(None, [
+                   missing and f'{len(missing)} of its {len(params)} parameters are missing '
+                               f'(e.g. {", ".join(map(repr, missing[:shown]))})',
+                   other and f'{len(other)} have other shapes ({"; ".join(other[:shown])})'])))
+    if partial:
+        warnings.warn(problem + '; evaluating anyway (--partial-checkpoint): those parameters '
+                      'keep their initial values')
+        return
+    raise RuntimeError(problem + '. Evaluate the checkpoint with the config it was trained with, '
+                       'or pass --partial-checkpoint to evaluate anyway (those parameters keep '
+                       'their initial values)')
+
+
 def build_runner(cfg):
     """The config's runner (``runner_type`` if set, else mmengine's Runner)."""
     from mmengine.registry import RUNNERS

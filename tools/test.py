@@ -2,8 +2,10 @@
 
     python tools/test.py CONFIG CHECKPOINT [--work-dir DIR] [--out FILE] [--show-dir DIR]
                          [--cfg-options k=v ...] [--launcher none|pytorch|slurm|mpi] [--tta]
-                         [--no-convert] [--demo]
+                         [--no-convert] [--partial-checkpoint] [--demo]
 
+A checkpoint that lacks parameters of the config's model, or holds them in other shapes, is an
+error (``--partial-checkpoint``: a warning, and those parameters keep their initial values).
 The model's blocks and mixers run their inference forms (:func:`linattn_mm.deploy.convert`: same
 outputs, faster); ``--no-convert`` keeps the plain forms. ``--demo`` runs CONFIG on the generated
 demo data (``linattn_mm.demo``).
@@ -18,7 +20,8 @@ import numbers
 import linattn_mm  # noqa: F401
 from linattn_mm.checkpoint import safe_globals
 from linattn_mm.cli import (add_common_args, apply_launcher_defaults, build_runner,
-                            close_process_group, load_config, parse_with_common)
+                            check_test_checkpoint, checkpoint_file_exists, close_process_group,
+                            load_config, parse_with_common)
 from linattn_mm.deploy import convert
 
 
@@ -28,25 +31,45 @@ def parse_args(argv=None):
     p.add_argument('checkpoint', help='checkpoint file')
     p.add_argument('--out', help='dump predictions to this pickle file (mmdet, mmpretrain) or '
                    'prediction images to this directory (mmseg)')
-    p.add_argument('--show-dir', help='save drawn predictions under work_dir/timestamp/DIR')
+    p.add_argument('--show-dir', help='save drawn predictions in DIR (mmdet configs: under '
+                   'work_dir/<timestamp>/DIR, as its own test tool)')
     p.add_argument('--tta', action='store_true', help='test-time augmentation (tta_model and '
                    'tta_pipeline of the config)')
     p.add_argument('--no-convert', action='store_true', help='run the plain forms of the blocks '
                    'and mixers instead of their inference forms (linattn_mm.deploy.convert)')
+    p.add_argument('--partial-checkpoint', action='store_true', help='evaluate a checkpoint that '
+                   'lacks some of the model\'s parameters or holds them in other shapes (they '
+                   'keep their initial values); without it such a checkpoint is an error')
     return parse_with_common(add_common_args(p), argv)
+
+
+def set_show_dir(cfg, scope, show_dir):
+    """Turn on the config's visualization hook, saving the drawn predictions of every test image
+    in ``show_dir`` where each library's own test tool puts them (the hooks take different
+    arguments)."""
+    hook = cfg.default_hooks.get('visualization')
+    if hook is None:
+        raise SystemExit('error: the config has no visualization hook (default_hooks.visualization) '
+                         'for --show-dir')
+    if scope == 'mmpretrain':  # VisualizationHook(enable, out_dir)
+        hook.update(enable=True, out_dir=show_dir, interval=1)
+    elif scope == 'mmseg':  # SegVisualizationHook(draw); the images go to the visualizer's dir
+        hook.update(draw=True, interval=1)
+        cfg.visualizer['save_dir'] = show_dir
+    else:  # mmdet's DetVisualizationHook: under work_dir/<timestamp>/show_dir
+        hook['draw'] = True
+        hook['test_out_dir'] = show_dir
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if not checkpoint_file_exists(args.checkpoint):
+        raise SystemExit(f'error: no checkpoint file {args.checkpoint!r}')
     cfg = load_config(args)
     cfg.load_from = args.checkpoint
     scope = cfg.get('default_scope', 'mmdet')
     if args.show_dir:
-        hook = cfg.default_hooks.get('visualization')
-        if hook is None:
-            raise RuntimeError('the config has no visualization hook for --show-dir')
-        hook['draw'] = True
-        hook['test_out_dir'] = args.show_dir
+        set_show_dir(cfg, scope, args.show_dir)
     if args.tta:
         if 'tta_model' not in cfg or 'tta_pipeline' not in cfg:
             raise RuntimeError('--tta needs tta_model and tta_pipeline in the config')
@@ -62,6 +85,10 @@ def main(argv=None):
             cfg.test_evaluator = evaluators + [dict(type='DumpResults', out_file_path=args.out)]
     apply_launcher_defaults(cfg)
     runner = build_runner(cfg)
+    try:
+        check_test_checkpoint(runner.model, args.checkpoint, args.partial_checkpoint)
+    except RuntimeError as e:
+        raise SystemExit(f'error: {e}')
     if not args.no_convert:
         # in place, before the checkpoint is loaded: the inference forms keep no copy of a weight
         # (their caches follow in-place loads), so the loaded weights are the ones that run

@@ -2,11 +2,15 @@
 metrics on the demo data (``--demo``), and a new detector written by config inheritance. (Every
 config of every head is run on the demo data through the same tools in
 tests/e2e/test_all_demo_configs.py.)"""
+import glob
 import os.path as osp
+import re
+import subprocess
+import sys
 
 import pytest
 from harness import CONFIGS as CFG
-from harness import metrics_of, run_tool
+from harness import REPO, metrics_of, run_tool, short_run_options
 
 DET_SHORT = ['train_cfg.max_epochs=1', 'train_cfg.val_interval=1', 'train_dataloader.batch_size=2',
              'train_dataloader.dataset.indices=2', 'val_dataloader.dataset.indices=2']
@@ -63,3 +67,49 @@ def test_new_detector_config_by_inheritance(demo_data, tmp_path):
     out = run_tool(['tools/train.py', str(cfg), '--demo', '--work-dir', work, '--cfg-options'] +
                    DET_SHORT + ['model.test_cfg.score_thr=0.0'])
     assert 'loss_centerness' in out and 'Saving checkpoint' in out
+
+
+def _train_briefly(config, work):
+    """One training iteration of ``config`` on the demo data; returns (config path, checkpoint,
+    test options)."""
+    from mmengine.config import Config
+    cfg_path = osp.join(CFG, config)
+    train, test, _ = short_run_options(Config.fromfile(cfg_path))
+    run_tool(['tools/train.py', cfg_path, '--demo', '--work-dir', work, '--cfg-options'] + train)
+    with open(osp.join(work, 'last_checkpoint')) as f:
+        return cfg_path, f.read().strip(), test
+
+
+@pytest.mark.parametrize('config,pattern', [
+    ('polaformer/fpn_pola-pvt-t_8xb4-40k_ade20k-512x512.py', 'vis_data/vis_image/*.png'),
+    ('pvt/pvt-t_in1k.py', '*.png')], ids=['mmseg', 'mmpretrain'])
+def test_show_dir_draws_every_test_image(demo_data, tmp_path, config, pattern):
+    """``--show-dir`` turns on the visualization hook of mmseg and mmpretrain configs too (each
+    takes other arguments than mmdet's): one drawn image per test image, in DIR."""
+    cfg, ckpt, test = _train_briefly(config, str(tmp_path / 'work'))
+    vis = tmp_path / 'vis'
+    run_tool(['tools/test.py', cfg, ckpt, '--demo', '--work-dir', str(tmp_path / 'work'),
+              '--show-dir', str(vis), '--cfg-options'] + test)
+    assert len(glob.glob(str(vis / pattern))) == 2  # the test set of the short run: 2 images
+
+
+def test_test_refuses_a_checkpoint_that_does_not_fit_the_config(demo_data, tmp_path):
+    """tools/test.py evaluates only a checkpoint that holds every parameter of the config's model
+    in its shape (mmengine's runner would evaluate the rest at their initial values): another
+    arch is an error that names the parameters; --partial-checkpoint evaluates anyway with a
+    warning; a checkpoint file that does not exist is a one-line error before anything is built."""
+    cfg, ckpt, test = _train_briefly('pvt/pvt-t_in1k.py', str(tmp_path / 'work'))
+    cmd = [sys.executable, 'tools/test.py', cfg, ckpt, '--demo', '--work-dir',
+           str(tmp_path / 'work'), '--cfg-options', 'model.backbone.arch=s'] + test
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 1 and 'Traceback' not in res.stderr, res.stderr[-3000:]
+    assert re.search(r"error: checkpoint '.*' does not fit the model of the config: \d+ of its "
+                     r"\d+ parameters are missing \(e\.g\. 'backbone\.block1\.2\.", res.stderr)
+    res = subprocess.run(cmd + ['--partial-checkpoint'], cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert 'evaluating anyway (--partial-checkpoint)' in res.stdout + res.stderr
+    assert 'accuracy/top1' in metrics_of(res.stdout + res.stderr)
+    res = subprocess.run([sys.executable, 'tools/test.py', cfg, str(tmp_path / 'no.pth')],
+                         cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 1
+    assert res.stderr.strip().splitlines()[-1] == f"error: no checkpoint file '{tmp_path}/no.pth'"
