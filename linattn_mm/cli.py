@@ -1,6 +1,7 @@
 """Command-line set-up shared by ``tools/train.py`` and ``tools/test.py``: their common flags, the
 config with ``--demo`` / ``--cfg-options`` / the work dir applied, launcher defaults for runs
 without GPUs, building mmengine's runner, and finding the checkpoint to resume from."""
+import copy
 import os
 import os.path as osp
 
@@ -36,11 +37,20 @@ def load_config(args):
     launcher and the work dir (CLI, then the config's ``work_dir``, then ``work_dirs/<config
     name>``, with ``_demo`` appended under ``--demo``) applied."""
     from mmengine.config import Config
+    if not osp.isfile(args.config):
+        raise SystemExit(f'error: no config file {args.config!r}')
     cfg = Config.fromfile(args.config)
     demo = getattr(args, 'demo', False)
     if demo:
         from linattn_mm.demo import apply_demo
+        backbone = cfg.get('model', {}).get('backbone') or {}
+        own_init = copy.deepcopy(backbone.get('init_cfg'))
         apply_demo(cfg)
+        # the overlay drops the backbone's pretrained file; options that set one start from the
+        # config's own init_cfg (merging them into the overlay's None fails)
+        if own_init is not None and any(k.startswith('model.backbone.init_cfg.')
+                                        for k in args.cfg_options or {}):
+            cfg.model.backbone.init_cfg = own_init
     cfg.launcher = args.launcher
     if args.cfg_options is not None:
         cfg.merge_from_dict(args.cfg_options)
@@ -231,18 +241,18 @@ def find_resume_checkpoint(work_dir):
     ``last_checkpoint`` pointer first when it names a complete file), or None."""
     if not osp.isdir(work_dir):
         return None
+    numbered = sorted(((n, f) for f in os.listdir(work_dir)
+                       for n in [_checkpoint_number(f)] if n is not None), reverse=True)
+    # newest first, and only until one is complete: each check reads the whole file
+    newest = next((osp.join(work_dir, f) for _, f in numbered
+                   if is_complete_checkpoint(osp.join(work_dir, f))), None)
     pointer = osp.join(work_dir, 'last_checkpoint')
-    candidates = []
     if osp.isfile(pointer):
         with open(pointer) as f:
-            candidates.append(f.read().strip())
-    numbered = [(n, f) for f in os.listdir(work_dir)
-                for n in [_checkpoint_number(f)] if n is not None]
-    candidates += [osp.join(work_dir, f) for _, f in sorted(numbered, reverse=True)]
-    best = None
-    for path in candidates:
-        if osp.isfile(path) and is_complete_checkpoint(path):
-            n = _checkpoint_number(osp.basename(path))
-            if best is None or (n or -1) > (_checkpoint_number(osp.basename(best)) or -1):
-                best = path
-    return best
+            named = f.read().strip()
+        number = _checkpoint_number(osp.basename(named))
+        newer = newest is None or (number is not None and
+                                   number > _checkpoint_number(osp.basename(newest)))
+        if named != newest and newer and osp.isfile(named) and is_complete_checkpoint(named):
+            return named
+    return newest

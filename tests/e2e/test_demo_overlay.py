@@ -153,6 +153,26 @@ def test_tools_apply_it_before_cfg_options():
     assert load_config(args).work_dir == osp.join('./work_dirs', 'pvtv2-b0_in1k')
 
 
+def test_options_that_set_a_pretrained_file_apply_on_the_configs_own_init_cfg():
+    """The overlay drops the backbone's pretrained file (init_cfg None); an option that sets one
+    (the README's way for patchify-stem backbones on the demo data) starts from the config's own
+    init_cfg, where merging into None failed."""
+    from linattn_mm.cli import add_common_args, load_config, parse_with_common
+    parser = argparse.ArgumentParser()
+    parser.add_argument('config')
+    parser = add_common_args(parser)
+    path = _cfg('polaformer/mask-rcnn_pola-pvt-t_fpn_1x_coco.py')
+    args = parse_with_common(parser, [path, '--demo'])
+    assert load_config(args).model.backbone.init_cfg is None
+    args = parse_with_common(parser, [
+        path, '--demo', '--cfg-options', 'model.backbone.init_cfg.checkpoint=pvt_t.pth'])
+    assert load_config(args).model.backbone.init_cfg == dict(type='Pretrained',
+                                                             checkpoint='pvt_t.pth')
+    args = parse_with_common(parser, ['configs/nope.py'])
+    with pytest.raises(SystemExit, match="error: no config file 'configs/nope.py'"):
+        load_config(args)
+
+
 def test_configs_it_cannot_take():
     cfg = Config.fromfile(_cfg('swin/mask-rcnn_swin-t_fpn_1x_coco.py'))
     voc = copy.deepcopy(cfg)

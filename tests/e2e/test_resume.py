@@ -81,3 +81,19 @@ def test_find_resume_checkpoint_skips_truncated_files(tmp_path):
     (tmp_path / 'epoch_3.pth').write_bytes(data[:len(data) // 2])  # killed while saving
     assert not is_complete_checkpoint(str(tmp_path / 'epoch_3.pth'))
     assert find_resume_checkpoint(str(tmp_path)) == str(tmp_path / 'epoch_2.pth')
+
+
+def test_find_resume_checkpoint_reads_only_the_newest_files(tmp_path, monkeypatch):
+    """Checking a checkpoint reads the whole file: the search stops at the newest complete one
+    (a work dir of a long run keeps hundreds of them) and checks the pointer's file only when it
+    names a newer one."""
+    import linattn_mm.cli as cli
+    for n in range(1, 7):
+        torch.save({'state_dict': {'w': torch.zeros(4)}}, tmp_path / f'epoch_{n}.pth')
+    (tmp_path / 'epoch_6.pth').write_bytes(b'truncated')
+    (tmp_path / 'last_checkpoint').write_text(str(tmp_path / 'epoch_5.pth'))
+    checked = []
+    real = cli.is_complete_checkpoint
+    monkeypatch.setattr(cli, 'is_complete_checkpoint', lambda p: checked.append(p) or real(p))
+    assert cli.find_resume_checkpoint(str(tmp_path)) == str(tmp_path / 'epoch_5.pth')
+    assert checked == [str(tmp_path / 'epoch_6.pth'), str(tmp_path / 'epoch_5.pth')]
