@@ -119,9 +119,11 @@ def get_model(name, pretrained=None, device=None, allow_unsafe_pickle=None, conv
         **kwargs: merged into the config's ``model`` dict, e.g. ``backbone=dict(drop_path_rate=0)``.
     """
     from linattn_mm.checkpoint import extract_state_dict, load_pretrained, safe_load
+    from linattn_mm.utils.progress import quiet_init_log
     # with a checkpoint the whole model is loaded below: not the backbone's own init checkpoint
     model = build_model(name, pretrained_backbone=pretrained is None, **kwargs)
-    model.init_weights()
+    with quiet_init_log():  # not the per-parameter init log (a load report that finds missing
+        model.init_weights()  # or unexpected keys is a warning: it still shows)
     if pretrained is not None:
         ckpt = safe_load(pretrained, allow_unsafe_pickle=allow_unsafe_pickle)
         state, source = extract_state_dict(ckpt)

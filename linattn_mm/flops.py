@@ -154,6 +154,9 @@ def config_macs(config, shape=None, part='model'):
     model = build_model(cfg, pretrained_backbone=False).eval()  # counting needs no weights
     if shape is None:
         shape = DEFAULT_SHAPES.get(scope, (224, 224))
+    if len(shape) not in (1, 2) or any(int(v) != v or v < 1 for v in shape):
+        raise ValueError(f'input shape {tuple(shape)}: give one side S or H W (positive '
+                         f'integers)')
     shape = tuple(shape) if len(shape) == 2 else (shape[0], shape[0])
     inputs, samples = dummy_inputs(cfg, shape)
     if part == 'backbone':

@@ -387,10 +387,51 @@ def route_mmcv_ops_to_torchvision():
 # building targets
 # ------------------------------------------------------------------------------------------------
 def parse_size(s):
-    if 'x' in s.lower():
-        h, w = s.lower().split('x')
-        return int(h), int(w)
-    return int(s), int(s)
+    """``'S'`` -> (S, S), ``'HxW'`` -> (H, W); anything else is an error that shows the forms."""
+    import re
+    m = re.fullmatch(r'\s*(\d+)\s*(?:[xX]\s*(\d+)\s*)?', str(s))
+    if m is None or int(m.group(1)) == 0 or (m.group(2) is not None and int(m.group(2)) == 0):
+        raise argparse.ArgumentTypeError(f'{s!r} is not a size: give S or HxW with positive '
+                                         f'integers, e.g. 224 or 800x1344')
+    h = int(m.group(1))
+    return h, int(m.group(2)) if m.group(2) is not None else h
+
+
+def _check_size(s):
+    """argparse type of --sizes / --grid: the text, once :func:`parse_size` takes it."""
+    parse_size(s)
+    return s
+
+
+def _target_exists(target):
+    """A built-in backbone name, a config file, or a stock config ``'mmdet::...py'``."""
+    if target in BACKBONES or osp.isfile(target):
+        return True
+    if '::' in target:
+        from mmengine.utils import get_installed_path
+        package, rel = target.split('::', 1)
+        try:
+            return osp.isfile(osp.join(get_installed_path(package), '.mim', 'configs', rel))
+        except Exception:  # the package is not installed
+            return False
+    return False
+
+
+def check_names(args, names):
+    """Refuse, before anything is measured, targets that are neither a built-in backbone nor a
+    config file, and --compare baselines that name no target or implementation of the run
+    (``names``: the targets' names)."""
+    unknown = [t for t in args.targets if not _target_exists(t)]
+    if unknown:
+        raise SystemExit(f'error: unknown target(s) {unknown}: give built-in backbone names '
+                         f'(--list) or config files')
+    known = set(names) | set(args.impls)
+    for spec in args.compare or []:
+        only, base = _compare_spec(spec)
+        bad = [n for n in (only, base) if n is not None and n not in known]
+        if bad:
+            raise SystemExit(f'error: --compare {spec}: {bad[0]!r} is neither a target nor an '
+                             f'implementation of this run ({", ".join(sorted(known))})')
 
 
 def _compare_spec(spec):
@@ -673,7 +714,7 @@ def parse_args(argv=None):
     p.add_argument('--dtype', choices=['fp32', 'bf16', 'fp16'], default='fp32',
                    help='fp32, or bf16 / fp16 autocast')
     p.add_argument('--batch', type=int, default=1)
-    p.add_argument('--sizes', nargs='+', default=None,
+    p.add_argument('--sizes', nargs='+', default=None, type=_check_size,
                    help="input sizes 'S' or 'HxW' (default 224; attention mode: --grid)")
     p.add_argument('--warmup', type=int, default=2)
     p.add_argument('--repeats', type=int, default=5, help='timed forwards; median reported')
@@ -691,7 +732,7 @@ def parse_args(argv=None):
                    "implementations, plain for reference/official) or 'plain' for all")
     p.add_argument('--forward', choices=['tensor', 'predict'], default='tensor',
                    help="--mode model: forward mode (predict needs data samples; they are made)")
-    p.add_argument('--grid', nargs='+', default=['128x128'],
+    p.add_argument('--grid', nargs='+', default=['128x128'], type=_check_size,
                    help='--mode attention: token grids HxW (N = H*W)')
     p.add_argument('--heads', type=int, default=3)
     p.add_argument('--head-dims', type=int, default=32)
@@ -851,6 +892,11 @@ def _main(args):
         raise SystemExit('--count-ops counts the operations of a model or layer step; '
                          '--mode core does not take it')
     ac = {'fp32': None, 'bf16': torch.bfloat16, 'fp16': torch.float16}[args.dtype]
+    if ac is not None and device.type == 'cpu' and args.mode in ('backbone', 'model') \
+            and 'fast' in args.impls:
+        raise SystemExit(f'error: --dtype {args.dtype} on CPU: the inference forms of --impls fast '
+                         f'(linattn_mm.deploy.convert) run float32 and float64 only; measure the '
+                         f'plain forms under autocast with --impls torch')
     torch.manual_seed(args.seed)
     mem_note = {'cuda': 'cuda max_memory_allocated', 'meta': META_MEMORY}.get(device.type,
                                                                            'PeakMemoryCounter')
@@ -860,6 +906,7 @@ def _main(args):
           + ('' if heap is None else f', heap allocator: {"on" if heap else "not glibc, off"}'))
 
     if args.mode == 'core':
+        check_names(args, [])
         return run_core(args, device, note)
     # --- targets: (name, build() -> (module, make_input(size) -> callable)) ---
     jobs = []
@@ -937,6 +984,7 @@ def _main(args):
                 jobs.append((t, build_m, call_m))
 
     results = []
+    check_names(args, [job[0] for job in jobs])
     bar = progress_bar(len(jobs) * len(sizes), 'benchmark', unit='run', dynamic_ncols=True)
     # --mode train: every target is built first and their steps run in interleaved rounds (A, B,
     # C, A, B, C, ...), so that a change of the machine's load hits them alike; the other modes

@@ -11,7 +11,6 @@ With ``--model`` the weights are also checked against (and resized to) that zoo 
 e.g. ``--model mask-rcnn_swin-t_fpn_1x_coco``; the load report is printed.
 """
 import argparse
-import logging
 import os.path as osp
 import sys
 
@@ -35,19 +34,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _quiet_model(name):
-    """The zoo model ``name`` with its default init, without mmengine's per-parameter init log
-    (hundreds of lines before the report)."""
-    from mmengine.logging import MMLogger
-    logger = MMLogger.get_current_instance()
-    level = logger.level
-    logger.setLevel(logging.WARNING)
-    try:
-        return linattn_mm.get_model(name, backbone=dict(init_cfg=None), convert=False)
-    finally:
-        logger.setLevel(level)
-
-
 def main(argv=None):
     args = parse_args(argv)
     if '://' not in args.src and not osp.isfile(args.src):
@@ -60,7 +46,7 @@ def main(argv=None):
     if args.model:
         if bar is not None:
             bar.set_postfix_str(f'building {args.model}')
-        model = _quiet_model(args.model)
+        model = linattn_mm.get_model(args.model, backbone=dict(init_cfg=None), convert=False)
         target = getattr(model, 'backbone', model)
         if bar is not None:
             bar.update()

@@ -245,12 +245,23 @@ def _learning_check_section(path):
     return text[text.index(begin):text.index(end) + len(end)]
 
 
+DEFAULT_OUT = osp.join(REPO, 'docs', 'fidelity.md')
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description='Params / FLOPs of every variant next to its paper')
-    p.add_argument('--out', default=osp.join(REPO, 'docs', 'fidelity.md'))
+    p.add_argument('--out', default=DEFAULT_OUT)
     p.add_argument('--only', nargs='+', help='config names to measure (default: all rows)')
     p.add_argument('--json', help='also write the rows as JSON')
     args = p.parse_args(argv)
+    if args.only:
+        names = [r[0] for r in ROWS]
+        unknown = [n for n in args.only if n not in names]
+        if unknown:
+            p.error(f'--only: unknown config name(s) {unknown}; the rows: {", ".join(names)}')
+        if osp.abspath(args.out) == osp.abspath(DEFAULT_OUT):
+            p.error('--only measures some rows: give --out FILE, so that the full table of '
+                    'docs/fidelity.md is not replaced by a partial one')
     command = 'python tools/fidelity_report.py' + (
         ' --only ' + ' '.join(args.only) if args.only else '')
     rows = build_rows(args.only)

@@ -28,7 +28,10 @@ def parse_args(argv=None):
     p.add_argument('--json', help='also write the numbers to this JSON file')
     p.add_argument('--cfg-options', nargs='+', action=DictAction, metavar='KEY=VALUE',
                    help='override config entries')
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.shape is not None and (len(args.shape) not in (1, 2) or min(args.shape) < 1):
+        p.error(f'--shape takes H W or one side S (positive), got {" ".join(map(str, args.shape))}')
+    return args
 
 
 def get_flops(config, shape=None, part='model', cfg_options=None):

@@ -144,7 +144,9 @@ def test_convert_checkpoint_tool(tmp_path):
                           str(tmp_path / 'out.pth'), '--model', 'pvt-t_in1k'],
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert len(res.stdout.splitlines()) == 5, res.stdout[:2000]  # the report, no init log
+    # the report, without mmengine's per-parameter init log (about 950 lines for this model)
+    assert len(res.stdout.splitlines()) <= 6 and 'Initialized by' not in res.stdout, \
+        res.stdout[:2000]
     assert "'model'): 156 loaded, 0 resized, 0 missing, 0 unexpected, 1 dropped" in res.stdout
     out = torch.load(tmp_path / 'out.pth', weights_only=True)
     keys = set(out['state_dict'])

@@ -57,3 +57,15 @@ def test_unexplained_rows_fail_the_tool(tmp_path, monkeypatch):
 @pytest.mark.parametrize('value,expected', [(None, '–'), (0.0123, '+1.2%'), (-0.05, '-5.0%')])
 def test_percent_format(value, expected):
     assert TOOL['_pct'](value) == expected
+
+
+def test_unknown_or_partial_rows_do_not_replace_the_doc_table(tmp_path, capsys):
+    """--only with a name of no row is an error that lists the rows (it wrote an empty table),
+    and --only without --out is refused: a partial table would replace docs/fidelity.md's."""
+    with pytest.raises(SystemExit):
+        TOOL['main'](['--out', str(tmp_path / 'f.md'), '--only', 'nosuch_in1k'])
+    assert "unknown config name(s) ['nosuch_in1k']; the rows: " in capsys.readouterr().err
+    assert not (tmp_path / 'f.md').exists()
+    with pytest.raises(SystemExit):
+        TOOL['main'](['--only', 'deit-t_in1k'])
+    assert 'give --out FILE' in capsys.readouterr().err

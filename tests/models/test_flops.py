@@ -81,3 +81,10 @@ def test_get_flops_tool_on_a_detector(capsys):
     bb = main(['configs/poly/retinanet_poly-pvt-t_fpn_1x_coco.py', '--shape', '200', '300',
                '--part', 'backbone', '--depth', '0'])
     assert bb['macs'] == rows['backbone']
+    for bad in (['1', '2', '3'], ['0']):  # a shape of three sides was counted as a 1 x 1 square
+        with pytest.raises(SystemExit):
+            main(['configs/poly/retinanet_poly-pvt-t_fpn_1x_coco.py', '--shape'] + bad)
+        assert '--shape takes H W or one side S' in capsys.readouterr().err
+    from linattn_mm.flops import config_macs
+    with pytest.raises(ValueError, match=r'input shape \(1, 2, 3\): give one side S or H W'):
+        config_macs('configs/poly/retinanet_poly-pvt-t_fpn_1x_coco.py', (1, 2, 3))
