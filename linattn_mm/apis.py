@@ -52,9 +52,15 @@ def get_config(name):
         return name
     if osp.isfile(name):
         return Config.fromfile(name)
+    if str(name).endswith('.py') or '/' in str(name):
+        raise FileNotFoundError(f'no config file {name!r} (a zoo model is named without a path '
+                                f'or .py: see linattn_mm.list_models())')
     zoo = _zoo()
     if name not in zoo:
-        close = [n for n in zoo if name.split('_')[0] in n][:10]
+        import difflib
+        norm = {n.replace('_', '-').lower(): n for n in zoo}
+        close = [norm[n] for n in difflib.get_close_matches(
+            str(name).replace('_', '-').lower(), list(norm), n=6, cutoff=0.6)]
         raise KeyError(f'unknown model {name!r}; {len(zoo)} models are available, see '
                        f'linattn_mm.list_models()' + (f'; similar: {close}' if close else ''))
     return Config.fromfile(zoo[name])

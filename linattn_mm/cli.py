@@ -42,7 +42,12 @@ def load_config(args):
     cfg = Config.fromfile(args.config)
     demo = getattr(args, 'demo', False)
     if demo:
-        from linattn_mm.demo import apply_demo
+        from linattn_mm.demo import DEMO_ROOT, apply_demo
+        if not osp.isdir(DEMO_ROOT):
+            raise SystemExit(f'error: --demo trains and tests on the generated demo data in '
+                             f'{DEMO_ROOT}/ of the working directory ({os.getcwd()}), which has '
+                             f'none: run python tools/make_demo_data.py there first (tools/demo.sh '
+                             f'does), or run from the repository root')
         backbone = cfg.get('model', {}).get('backbone') or {}
         own_init = copy.deepcopy(backbone.get('init_cfg'))
         apply_demo(cfg)

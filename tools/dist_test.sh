@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Multi-process testing with torchrun: bash tools/dist_test.sh CONFIG CHECKPOINT NPROC [test.py args]
 set -euo pipefail
+if [ $# -lt 3 ]; then
+    echo "usage: bash tools/dist_test.sh CONFIG CHECKPOINT NPROC [test.py args ...]" >&2
+    exit 2
+fi
 CONFIG=$1
 CHECKPOINT=$2
 NPROC=$3

@@ -2,6 +2,10 @@
 # Multi-process training with torchrun: bash tools/dist_train.sh CONFIG NPROC [train.py args ...]
 # Multi-node: set NNODES, NODE_RANK, MASTER_ADDR, PORT. Without GPUs the gloo backend is used.
 set -euo pipefail
+if [ $# -lt 2 ]; then
+    echo "usage: bash tools/dist_train.sh CONFIG NPROC [train.py args ...]" >&2
+    exit 2
+fi
 CONFIG=$1
 NPROC=$2
 shift 2

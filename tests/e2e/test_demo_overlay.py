@@ -139,7 +139,7 @@ def test_cli_writes_the_config_of_a_zoo_name(tmp_path, monkeypatch, capsys):
     assert cfg.model.backbone.type == 'LinAttnPVTv2'
 
 
-def test_tools_apply_it_before_cfg_options():
+def test_tools_apply_it_before_cfg_options(demo_data):
     from linattn_mm.cli import add_common_args, load_config, parse_with_common
     parser = argparse.ArgumentParser()
     parser.add_argument('config')
@@ -153,7 +153,8 @@ def test_tools_apply_it_before_cfg_options():
     assert load_config(args).work_dir == osp.join('./work_dirs', 'pvtv2-b0_in1k')
 
 
-def test_options_that_set_a_pretrained_file_apply_on_the_configs_own_init_cfg():
+def test_options_that_set_a_pretrained_file_apply_on_the_configs_own_init_cfg(demo_data, tmp_path,
+                                                                             monkeypatch):
     """The overlay drops the backbone's pretrained file (init_cfg None); an option that sets one
     (the README's way for patchify-stem backbones on the demo data) starts from the config's own
     init_cfg, where merging into None failed."""
@@ -170,6 +171,11 @@ def test_options_that_set_a_pretrained_file_apply_on_the_configs_own_init_cfg():
                                                              checkpoint='pvt_t.pth')
     args = parse_with_common(parser, ['configs/nope.py'])
     with pytest.raises(SystemExit, match="error: no config file 'configs/nope.py'"):
+        load_config(args)
+    monkeypatch.chdir(tmp_path)  # no data/demo here: --demo says what to run
+    args = parse_with_common(parser, [path, '--demo'])
+    with pytest.raises(SystemExit, match=r'--demo trains and tests on the generated demo data in '
+                                         r'data/demo/ .* run python tools/make_demo_data.py'):
         load_config(args)
 
 

@@ -59,3 +59,12 @@ def test_two_process_training_matches_one_process(demo_data, tmp_path, config):
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=5e-5, msg=k)
+
+
+def test_launch_scripts_without_their_arguments_print_their_usage():
+    for script, usage in (('dist_train.sh', 'CONFIG NPROC [train.py args ...]'),
+                          ('dist_test.sh', 'CONFIG CHECKPOINT NPROC [test.py args ...]')):
+        res = subprocess.run(['bash', f'tools/{script}', 'only-a-config'], cwd=REPO,
+                             capture_output=True, text=True)
+        assert res.returncode == 2
+        assert res.stderr.strip() == f'usage: bash tools/{script} {usage}'

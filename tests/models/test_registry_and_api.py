@@ -138,3 +138,14 @@ def test_get_model_pretrained_official_file(tmp_path):
         feat = m.backbone(x)[-1].mean((2, 3))
         want = feat @ official['head.weight'].T + official['head.bias']
         torch.testing.assert_close(m(x, mode='tensor'), want, rtol=1e-4, atol=1e-4)
+
+
+def test_unknown_model_names_say_what_is_close():
+    """A zoo name written with underscores finds its hyphenated twin; a path that is no file says
+    so instead of calling it an unknown model."""
+    from linattn_mm.apis import get_config
+    with pytest.raises(KeyError, match=r"unknown model 'swin_t_in1k'; \d+ models are available.*"
+                                       r"similar: \['swin-t_in1k'"):
+        get_config('swin_t_in1k')
+    with pytest.raises(FileNotFoundError, match=r"no config file 'configs/nosuch\.py'"):
+        get_config('configs/nosuch.py')
