@@ -76,6 +76,13 @@ def apply_launcher_defaults(cfg):
     that says so, before mmengine's ``torch.cuda.set_device`` fails on it."""
     if cfg.get('launcher', 'none') == 'none':
         return cfg
+    need, starter = LAUNCHER_ENV.get(cfg.launcher, ((), None))
+    unset = [v for v in need if v not in os.environ]
+    if unset:
+        raise SystemExit(f'error: --launcher {cfg.launcher} runs in the processes that {starter} '
+                         f'starts; '
+                         f'{", ".join(unset)} {"is" if len(unset) == 1 else "are"} not set here. '
+                         f'Start the tool that way, or run one process with --launcher none')
     if torch.cuda.is_available():
         check_local_gpu(cfg.launcher)
         return cfg
@@ -95,6 +102,15 @@ def apply_launcher_defaults(cfg):
     cfg.model_wrapper_cfg = wrapper
     return cfg
 
+
+#: the variables each launcher's processes get from what starts them, and what that is
+LAUNCHER_ENV = {
+    'pytorch': (('RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT'),
+                'torchrun (tools/dist_train.sh, tools/dist_test.sh)'),
+    'slurm': (('SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_NODELIST'), 'srun'),
+    'mpi': (('OMPI_COMM_WORLD_LOCAL_RANK', 'OMPI_COMM_WORLD_RANK', 'OMPI_COMM_WORLD_SIZE'),
+            'mpirun (Open MPI)'),
+}
 
 #: the variable of the local rank, by launcher, where mmengine takes the GPU of that index (the
 #: slurm launcher takes the process id modulo the GPU count)

@@ -90,12 +90,21 @@ def test_conversion_keeps_parameters_and_statistics():
     assert not conv[3][0].weight.requires_grad
 
 
-def test_launcher_defaults_select_the_cpu_wrapper():
+def _launched_by(monkeypatch, *launchers):
+    """The variables the launchers' starters (torchrun, srun, mpirun) give their processes."""
+    from linattn_mm.cli import LAUNCHER_ENV
+    for launcher in launchers:
+        for name in LAUNCHER_ENV[launcher][0]:
+            monkeypatch.setenv(name, os.environ.get(name, '1'))
+
+
+def test_launcher_defaults_select_the_cpu_wrapper(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip('CPU-only behaviour')
     from mmengine.config import Config
 
     from linattn_mm.cli import apply_launcher_defaults
+    _launched_by(monkeypatch, 'slurm')
     cfg = apply_launcher_defaults(Config(dict(launcher='slurm')))
     assert cfg.model_wrapper_cfg == dict(type='CPUDistributedDataParallel', device_ids=None)
     assert cfg.env_cfg.dist_cfg.backend == 'gloo'
@@ -114,6 +123,7 @@ def test_more_processes_than_gpus_is_a_clear_error(monkeypatch):
     from linattn_mm.cli import apply_launcher_defaults
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
     monkeypatch.setattr(torch.cuda, 'device_count', lambda: 1)
+    _launched_by(monkeypatch, 'pytorch', 'mpi', 'slurm')
     monkeypatch.setenv('LOCAL_RANK', '1')
     with pytest.raises(RuntimeError, match=r'the process of local rank 1 has no GPU: 1 visible '
                        r'on this node\. Start at most 1 per node \(the process count of '
@@ -127,3 +137,18 @@ def test_more_processes_than_gpus_is_a_clear_error(monkeypatch):
     for launcher in ('slurm', 'pytorch'):
         cfg = apply_launcher_defaults(Config(dict(launcher=launcher)))
         assert 'model_wrapper_cfg' not in cfg and 'env_cfg' not in cfg
+
+
+@pytest.mark.parametrize('launcher,starter', [('pytorch', 'torchrun'), ('slurm', 'srun'),
+                                              ('mpi', 'mpirun')])
+def test_a_launcher_outside_its_starter_is_a_clear_error(monkeypatch, launcher, starter):
+    """--launcher X in a process that X's starter did not start: an error naming the starter and
+    the unset variables (mmengine failed with a KeyError of one of them)."""
+    from mmengine.config import Config
+
+    from linattn_mm.cli import LAUNCHER_ENV, apply_launcher_defaults
+    for name in LAUNCHER_ENV[launcher][0]:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit, match=rf'--launcher {launcher} runs in the processes that '
+                                         rf'{starter}.* starts; {LAUNCHER_ENV[launcher][0][0]}'):
+        apply_launcher_defaults(Config(dict(launcher=launcher)))
