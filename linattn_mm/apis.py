@@ -105,15 +105,17 @@ def build_model(name, pretrained_backbone=True, **kwargs):
 
 
 def get_model(name, pretrained=None, device=None, allow_unsafe_pickle=None, convert=True,
-              **kwargs):
+              min_loaded=0.5, **kwargs):
     """Build the model of a zoo config (or config file), in eval mode, for inference.
 
     Args:
         name (str): model name from :func:`list_models`, or a path to a config file.
         pretrained (str, optional): checkpoint to load. A file with ``backbone.*`` keys (an
-            mmpretrain/mmdet/mmseg checkpoint) is loaded into the whole model; any other file
-            (an official ImageNet checkpoint, a raw state dict) into ``model.backbone``. The load
-            report (missing / unexpected / resized keys) is kept as ``model.load_report``.
+            mmpretrain/mmdet/mmseg checkpoint) is loaded into the whole model, except a
+            classifier's file (only ``backbone.*`` and ``head.*``) for a model with other parts (a
+            detector's neck and heads), which fills its backbone; any other file (an official
+            ImageNet checkpoint, a raw state dict) goes into ``model.backbone``. The load report
+            (missing / unexpected / resized keys) is kept as ``model.load_report``.
         device (str, optional): move the model there.
         allow_unsafe_pickle (bool, optional): opt in to full pickle loading of trusted files.
         convert (bool): an inference model: the blocks and mixers get their inference forms for
@@ -122,6 +124,9 @@ def get_model(name, pretrained=None, device=None, allow_unsafe_pickle=None, conv
             ``torch.no_grad()``. False keeps the plain forms and trainable parameters, e.g. to
             train or fine-tune the model, or to register forward hooks inside blocks. Defaults to
             True.
+        min_loaded (float): the share of the parameter values of what is loaded (the model or
+            its backbone) the file must fill (:func:`linattn_mm.checkpoint.load_pretrained`); 0
+            loads whatever matches. Defaults to 0.5.
         **kwargs: merged into the config's ``model`` dict, e.g. ``backbone=dict(drop_path_rate=0)``.
     """
     from linattn_mm.checkpoint import extract_state_dict, load_pretrained, safe_load
@@ -134,12 +139,19 @@ def get_model(name, pretrained=None, device=None, allow_unsafe_pickle=None, conv
         ckpt = safe_load(pretrained, allow_unsafe_pickle=allow_unsafe_pickle)
         state, source = extract_state_dict(ckpt)
         whole = any(k.startswith(('backbone.', 'module.backbone.')) for k in state)
+        if whole and hasattr(model, 'backbone'):  # a classifier's file for a detector: backbone
+            parts = {k[len('module.'):] if k.startswith('module.') else k for k in state}
+            classifier = {'backbone', 'head', 'data_preprocessor'}
+            whole = not ({k.split('.')[0] for k in parts} <= classifier and
+                         {k.split('.')[0] for k in model.state_dict()} - classifier)
         if whole or not hasattr(model, 'backbone'):
             model.load_report = load_pretrained(model, ckpt, prefix=None,
-                                                allow_unsafe_pickle=allow_unsafe_pickle)
+                                                allow_unsafe_pickle=allow_unsafe_pickle,
+                                                min_loaded=min_loaded)
         else:
             model.load_report = load_pretrained(model.backbone, ckpt, prefix=None,
-                                                allow_unsafe_pickle=allow_unsafe_pickle)
+                                                allow_unsafe_pickle=allow_unsafe_pickle,
+                                                min_loaded=min_loaded)
             _load_official_head(model, state)
     if device is not None:
         model.to(device)

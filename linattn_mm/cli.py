@@ -43,7 +43,8 @@ def load_config(args):
     demo = getattr(args, 'demo', False)
     if demo:
         from linattn_mm.demo import DEMO_ROOT, apply_demo
-        if not osp.isdir(DEMO_ROOT):
+        options = args.cfg_options or {}
+        if not osp.isdir(DEMO_ROOT) and not any(k.endswith('data_root') for k in options):
             raise SystemExit(f'error: --demo trains and tests on the generated demo data in '
                              f'{DEMO_ROOT}/ of the working directory ({os.getcwd()}), which has '
                              f'none: run python tools/make_demo_data.py there first (tools/demo.sh '
@@ -51,10 +52,9 @@ def load_config(args):
         backbone = cfg.get('model', {}).get('backbone') or {}
         own_init = copy.deepcopy(backbone.get('init_cfg'))
         apply_demo(cfg)
-        # the overlay drops the backbone's pretrained file; options that set one start from the
-        # config's own init_cfg (merging them into the overlay's None fails)
-        if own_init is not None and any(k.startswith('model.backbone.init_cfg.')
-                                        for k in args.cfg_options or {}):
+        # the overlay drops the backbone's pretrained file; an option that sets one starts from
+        # the config's own init_cfg (merging it into the overlay's None fails)
+        if own_init is not None and 'model.backbone.init_cfg.checkpoint' in options:
             cfg.model.backbone.init_cfg = own_init
     cfg.launcher = args.launcher
     if args.cfg_options is not None:
@@ -108,8 +108,9 @@ LAUNCHER_ENV = {
     'pytorch': (('RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT'),
                 'torchrun (tools/dist_train.sh, tools/dist_test.sh)'),
     'slurm': (('SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_NODELIST'), 'srun'),
-    'mpi': (('OMPI_COMM_WORLD_LOCAL_RANK', 'OMPI_COMM_WORLD_RANK', 'OMPI_COMM_WORLD_SIZE'),
-            'mpirun (Open MPI)'),
+    'mpi': (('OMPI_COMM_WORLD_LOCAL_RANK', 'OMPI_COMM_WORLD_RANK', 'OMPI_COMM_WORLD_SIZE',
+             'MASTER_ADDR'),
+            'mpirun (Open MPI, with MASTER_ADDR exported)'),
 }
 
 #: the variable of the local rank, by launcher, where mmengine takes the GPU of that index (the
@@ -202,19 +203,28 @@ def checkpoint_file_exists(path):
 def check_test_checkpoint(model, path, partial=False, shown=4):
     """Raise when the checkpoint at ``path`` lacks parameters of ``model`` (the model to evaluate,
     inside any wrappers) or holds them in other shapes: mmengine's runner loads what matches and
-    evaluates the rest at its initial values with a warning. ``partial``: only warn."""
+    evaluates the rest at its initial values with a warning. The file is read as the runner reads
+    it (its ``state_dict``, else the whole dict; ``module.`` prefixes dropped); a shape is not
+    checked under a module that resizes what it loads (a load_state_dict pre-hook, as mmpretrain's
+    ViT and Swin have for their position tables). ``partial``: only warn."""
     import warnings
+    from collections.abc import Mapping
+
     from mmengine.model import BaseTTAModel, is_model_wrapper
 
-    from linattn_mm.checkpoint import extract_state_dict, safe_load
+    from linattn_mm.checkpoint import safe_load
     while is_model_wrapper(model) or isinstance(model, BaseTTAModel):
         model = model.module
-    state, _ = extract_state_dict(safe_load(path), prefer_ema=False)
-    state = {k[len('module.'):] if k.startswith('module.') else k: v for k, v in state.items()}
+    ckpt = safe_load(path)
+    state = ckpt.get('state_dict', ckpt) if isinstance(ckpt, Mapping) else {}
+    state = {k[len('module.'):] if k.startswith('module.') else k: v for k, v in state.items()
+             if torch.is_tensor(v)}
+    resizing = [n + '.' for n, m in model.named_modules() if m._load_state_dict_pre_hooks]
     params = dict(model.named_parameters())
     missing = [k for k in params if k not in state]
     other = [f"'{k}': checkpoint {tuple(state[k].shape)}, model {tuple(p.shape)}"
-             for k, p in params.items() if k in state and state[k].shape != p.shape]
+             for k, p in params.items() if k in state and state[k].shape != p.shape
+             and not any(r == '.' or k.startswith(r) for r in resizing)]
     if not missing and not other:
         return
     problem = (f'checkpoint {path!r} does not fit the model of the config: '

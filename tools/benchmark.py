@@ -417,15 +417,21 @@ def _target_exists(target):
     return False
 
 
-def check_names(args, names):
+def core_impls(args):
+    """The implementations --mode core runs: ``fast`` is the torch core there."""
+    return [i for i in args.impls if i != 'fast'] or ['torch']
+
+
+def check_names(args, names, impls=None):
     """Refuse, before anything is measured, targets that are neither a built-in backbone nor a
     config file, and --compare baselines that name no target or implementation of the run
-    (``names``: the targets' names)."""
+    (``names``: the targets' names; ``impls``: the implementations it runs, default
+    ``--impls``)."""
     unknown = [t for t in args.targets if not _target_exists(t)]
     if unknown:
         raise SystemExit(f'error: unknown target(s) {unknown}: give built-in backbone names '
-                         f'(--list) or config files')
-    known = set(names) | set(args.impls)
+                         f'(--list), config files or stock configs (mmdet::path/to/config.py)')
+    known = set(names) | set(args.impls if impls is None else impls)
     for spec in args.compare or []:
         only, base = _compare_spec(spec)
         bad = [n for n in (only, base) if n is not None and n not in known]
@@ -892,11 +898,8 @@ def _main(args):
         raise SystemExit('--count-ops counts the operations of a model or layer step; '
                          '--mode core does not take it')
     ac = {'fp32': None, 'bf16': torch.bfloat16, 'fp16': torch.float16}[args.dtype]
-    if ac is not None and device.type == 'cpu' and args.mode in ('backbone', 'model') \
-            and 'fast' in args.impls:
-        raise SystemExit(f'error: --dtype {args.dtype} on CPU: the inference forms of --impls fast '
-                         f'(linattn_mm.deploy.convert) run float32 and float64 only; measure the '
-                         f'plain forms under autocast with --impls torch')
+    # the CPU inference forms (--impls fast) run float32 / float64: not under autocast
+    cpu_autocast = ac is not None and device.type == 'cpu' and args.mode in ('backbone', 'model')
     torch.manual_seed(args.seed)
     mem_note = {'cuda': 'cuda max_memory_allocated', 'meta': META_MEMORY}.get(device.type,
                                                                            'PeakMemoryCounter')
@@ -906,7 +909,7 @@ def _main(args):
           + ('' if heap is None else f', heap allocator: {"on" if heap else "not glibc, off"}'))
 
     if args.mode == 'core':
-        check_names(args, [])
+        check_names(args, [], core_impls(args))
         return run_core(args, device, note)
     # --- targets: (name, build() -> (module, make_input(size) -> callable)) ---
     jobs = []
@@ -1003,6 +1006,13 @@ def _main(args):
             _randomise_pola(model, args.seed)
             has_mixers = bool(pola_modules(model) or nala_modules(model))
             impls = args.impls if has_mixers else ['-']
+            if cpu_autocast and 'fast' in impls:
+                impls = [i for i in impls if i != 'fast']
+                emit(bar, f'{name}: --impls fast skipped under --dtype {args.dtype}: the CPU '
+                     f'inference forms run float32 and float64 only (--impls torch: the plain '
+                     f'forms under autocast)')
+                if not impls:
+                    continue
             built.append((name, model, call, impls, has_mixers,
                           sum(p.numel() for p in model.parameters())))
         for hw in sizes:
@@ -1015,8 +1025,11 @@ def _main(args):
                 for impl in impls:
                     key = f'{name} | {impl}'
                     labels[key] = (name, impl)
+                    # a target without Pola / NaLa mixers: its inference forms (the plain ones
+                    # under autocast on CPU)
+                    plain = 'torch' if cpu_autocast else 'fast'
                     variants.append((key, (lambda impl=impl, model=model: set_impl(
-                        model, 'fast' if impl == '-' else impl, args.ffn,
+                        model, plain if impl == '-' else impl, args.ffn,
                         train=args.mode == 'train')), fn_base))
             # --ops-by-module: the counted step of each variant, by the modules of its model
             models = None if args.ops_by_module is None else {
@@ -1268,7 +1281,7 @@ def profile_table(fn, device, calls, rows=12):
 def run_core(args, device, note=None):
     """``--mode core``: the attention core alone, with its achieved memory bandwidth."""
     dtype = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}[args.dtype]
-    impls = [i for i in args.impls if i != 'fast'] or ['torch']
+    impls = core_impls(args)
     bad = [i for i in impls if i not in CORE_IMPLS]
     if bad:
         raise SystemExit(f'--mode core: implementations {bad} are not cores; choose from '

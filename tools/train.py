@@ -20,7 +20,7 @@ every NaLa mixer with its gated output's LayerNorm and gate as Triton kernels
 """
 import argparse
 
-import torch
+from mmengine.device import get_device
 
 import linattn_mm  # noqa: F401  (registers the backbones)
 from linattn_mm.checkpoint import safe_globals
@@ -52,9 +52,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.amp and not torch.cuda.is_available():
-        raise SystemExit('error: --amp trains with mmengine\'s AmpOptimWrapper, which needs a GPU; '
-                         'on CPU, train in float32 (without --amp)')
+    if args.amp and get_device() == 'cpu':
+        raise SystemExit('error: --amp trains with mmengine\'s AmpOptimWrapper, which needs a GPU '
+                         '(or an NPU, MLU or MUSA device); on CPU, train in float32 (without --amp)')
     cfg = load_config(args)
     if args.amp:
         wrapper = cfg.optim_wrapper.get('type', 'OptimWrapper')

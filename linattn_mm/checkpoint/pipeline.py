@@ -200,6 +200,8 @@ def load_pretrained(model: torch.nn.Module, checkpoint, prefix: Optional[str] = 
 
 def _check_share_loaded(model, matched, report, name, min_loaded):
     """Refuse a load that would fill less than ``min_loaded`` of the model's parameter values."""
+    if not isinstance(min_loaded, (int, float)) or not 0 <= min_loaded <= 1:
+        raise CheckpointError(f'min_loaded must be a number in [0, 1], got {min_loaded!r}')
     sizes = {k: p.numel() for k, p in model.named_parameters()}
     total = sum(sizes.values())
     if not total:
@@ -207,15 +209,20 @@ def _check_share_loaded(model, matched, report, name, min_loaded):
     share = sum(n for k, n in sizes.items() if k in matched) / total
     if share >= min_loaded:
         return
+    missing = [k for k in sizes if k not in matched]
+    if report.unexpected:
+        why = (f'{len(report.unexpected)} checkpoint key(s) match nothing, e.g. '
+               f'{format_keys(report.unexpected, 4)}: it looks like the file of another model, or '
+               f"with another code base's key names (rename them in "
+               f'{type(model).__name__}.convert_pretrained_state_dict, or convert the file first)')
+    else:
+        why = ('every key of the file matches, but it holds only part of the model (a backbone\'s '
+               'file for a whole detector? load it into the backbone, through its init_cfg)')
     raise CheckpointError(
         f"checkpoint '{name}' would fill only {share:.1%} of {type(model).__name__}'s parameter "
         f'values ({sum(k in matched for k in sizes)} of {len(sizes)} parameters; '
-        f'min_loaded={min_loaded}). {len(report.unexpected)} checkpoint key(s) match nothing, '
-        f'e.g. {format_keys(report.unexpected, 4)}; missing, e.g. '
-        f'{format_keys([k for k in sizes if k not in matched], 4)}. It looks like the file of '
-        f'another model, or with another code base\'s key names (rename them in '
-        f'{type(model).__name__}.convert_pretrained_state_dict, or convert the file first). To '
-        f'load what matches anyway, pass min_loaded=0 (in an init_cfg: dict(type=\'Pretrained\', '
+        f'min_loaded={min_loaded}; missing, e.g. {format_keys(missing, 4)}). {why}. To load what '
+        f"matches anyway, pass min_loaded=0 (in an init_cfg: dict(type='Pretrained', "
         f'checkpoint=..., min_loaded=0)).')
 
 

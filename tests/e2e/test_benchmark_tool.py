@@ -491,3 +491,40 @@ def test_mmcv_ops_option_restores_mmcv_after_the_run():
     finally:
         TOOL['main'].__globals__['_main'] = real
     assert seen == ['TorchvisionMmcvOps'] and mmcv_nms.ext_module is original
+
+
+def test_bad_arguments_are_refused_before_anything_is_measured(capsys):
+    """Malformed sizes, unknown targets and --compare baselines that name nothing of the run are
+    errors up front (an unknown target failed after the others were measured; an unknown
+    baseline was ignored)."""
+    main = TOOL['main']
+    for argv, message in (
+            (['pola-pvt-t', '--sizes', '128by128'], "'128by128' is not a size: give S or HxW"),
+            (['--mode', 'attention', '--grid', '16x'], "'16x' is not a size"),
+            (['pola-pvt-t', 'swin_t', '--sizes', '64'], "unknown target(s) ['swin_t']"),
+            (['pola-pvt-t', '--sizes', '64', '--compare', 'nosuch'],
+             "--compare nosuch: 'nosuch' is neither a target nor an implementation of this run "
+             "(fast, pola-pvt-t)"),
+            (['--mode', 'core', '--grid', '8x8', '--compare', 'fast'],
+             "'fast' is neither a target nor an implementation of this run (torch)")):
+        with pytest.raises(SystemExit) as e:
+            main(argv + ['--warmup', '0', '--repeats', '1'])
+        captured = capsys.readouterr()  # argparse's errors on stderr, the others in the exit
+        assert message in captured.err + str(e.value.code), (argv, captured.err[-500:])
+        assert 'ms (min' not in captured.out  # nothing measured
+
+
+def test_half_precision_on_cpu_skips_only_the_inference_forms(tmp_path, capsys):
+    """--dtype bf16 on CPU: a target without Pola / NaLa mixers runs (its plain forms under
+    autocast), and a target with them drops --impls fast with a note and runs the others; the
+    core mode's --compare torch (its default implementation) is taken."""
+    out = tmp_path / 'b.json'
+    TOOL['main'](['swin-t', 'pola-pvt-t', '--sizes', '64', '--dtype', 'bf16', '--impls', 'fast',
+                  'torch', '--warmup', '0', '--repeats', '1', '--json', str(out)])
+    text = capsys.readouterr().out
+    assert 'pola-pvt-t: --impls fast skipped under --dtype bf16' in text
+    rows = {(r['target'], r['impl']) for r in load(out)['results']}
+    assert rows == {('swin-t', '-'), ('pola-pvt-t', 'torch')}
+    TOOL['main'](['--mode', 'core', '--grid', '8x8', '--compare', 'torch', '--warmup', '0',
+                  '--repeats', '1'])
+    assert 'torch' in capsys.readouterr().out

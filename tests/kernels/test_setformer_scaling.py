@@ -107,6 +107,27 @@ def test_scaling_form_half_inputs_run_in_float32():
         scaling_sinkhorn(log_k, row, col, 0)
 
 
+def test_scaling_form_backward_inside_autocast_is_the_one_outside():
+    """The loop's backward runs with autocast off: a backward() called inside a bf16 autocast
+    region gives the gradients of one called after it (its products ran in bf16 there)."""
+    torch.manual_seed(0)
+    log_k = (torch.randn(2, 40, 24) * 3).requires_grad_()
+    row, col, _ = marginals(2, 40, 24, torch.float32)
+
+    def grad(inside):
+        log_k.grad = None
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            f, g = scaling_sinkhorn(log_k, row, col, 8)
+            loss = (f.sin().sum() + g.cos().sum())
+            if inside:
+                loss.backward()
+        if not inside:
+            loss.backward()
+        return log_k.grad.clone()
+
+    torch.testing.assert_close(grad(True), grad(False), rtol=0, atol=0)
+
+
 def test_mixer_takes_the_scaling_form_only_where_the_kernel_range_is_bounded():
     """``core='fast'`` and a Gaussian kernel whose log-kernel range (< 1/eps, + 1/tau with the
     positional term in the kernel) is at most MAX_LOG_RANGE: the scaling loop; otherwise, and

@@ -149,3 +149,27 @@ def test_unknown_model_names_say_what_is_close():
         get_config('swin_t_in1k')
     with pytest.raises(FileNotFoundError, match=r"no config file 'configs/nosuch\.py'"):
         get_config('configs/nosuch.py')
+
+
+def test_get_model_fills_a_detectors_backbone_from_a_classifiers_file(tmp_path):
+    """An mmpretrain classifier's file (``backbone.*`` and ``head.*``) given to a detector fills
+    its backbone (the backbone is less than half of a Mask R-CNN's parameters: loading the file
+    into the whole detector would be refused); a whole detector's file still loads whole."""
+    import torch
+
+    from linattn_mm import get_model
+    cls = get_model('pola-pvt-t_in1k', convert=False)
+    sd = {k: torch.randn_like(v) if v.is_floating_point() else v
+          for k, v in cls.state_dict().items()}
+    torch.save({'state_dict': sd, 'meta': {}}, tmp_path / 'cls.pth')
+    det = get_model('mask-rcnn_pola-pvt-t_fpn_1x_coco', pretrained=str(tmp_path / 'cls.pth'),
+                    convert=False)
+    got = det.backbone.state_dict()
+    for k in ('block1.0.attn.qg.weight', 'pos_embed2', 'block4.1.mlp.fc2.bias'):
+        key = next(n for n in got if n.endswith(k))
+        torch.testing.assert_close(got[key], sd['backbone.' + key])
+    assert not det.load_report.missing
+    torch.save({'state_dict': det.state_dict()}, tmp_path / 'det.pth')
+    again = get_model('mask-rcnn_pola-pvt-t_fpn_1x_coco', pretrained=str(tmp_path / 'det.pth'),
+                      convert=False)
+    assert set(again.load_report.loaded) == set(det.state_dict())

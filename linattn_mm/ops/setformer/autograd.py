@@ -30,7 +30,7 @@ Padded rows (``row = -inf``) get ``u = 0`` and no gradient, as in the log domain
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..common import core_dtype, grad_needed, no_autocast
+from ..common import backward_without_autocast, core_dtype, grad_needed, no_autocast
 from . import self_transport_terms
 
 __all__ = ['ScalingSinkhorn', 'scaling_sinkhorn', 'SelfTransportAttention',
@@ -152,6 +152,7 @@ class ScalingSinkhorn(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @backward_without_autocast
     def backward(ctx, grad_f, grad_g):
         kern, *stacks = ctx.saved_tensors
         shape, dtype, row_shape, col_shape = ctx.shapes
