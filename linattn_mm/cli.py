@@ -194,29 +194,43 @@ def set_fused_forms(model, fused):
     set_fused_rope(model, fused)
 
 
-def checkpoint_file_exists(path):
-    """Whether ``path`` is an existing file (URLs and OpenMMLab names, ``scheme://...``, are taken
-    as they are: the loader fetches them)."""
-    return '://' in str(path) or osp.isfile(path)
+def checkpoint_file_problem(path):
+    """Why the file ``path`` cannot be a checkpoint, seen from its first byte and its zip
+    directory only (the runner reads it whole, once, later), or None. URLs and OpenMMLab names
+    (``scheme://...``) are taken as they are: the loader fetches them."""
+    import zipfile
+    if '://' in str(path):
+        return None
+    if not osp.isfile(path):
+        return f'no checkpoint file {path!r}'
+    if zipfile.is_zipfile(path):  # torch's format: its directory sits at the end of the file
+        return None
+    with open(path, 'rb') as f:
+        if f.read(1) == b'\x80':  # torch's legacy format: a pickle
+            return None
+    return (f'{path!r} ({osp.getsize(path)} bytes) is truncated or not a torch checkpoint '
+            f'(incomplete download? re-download it)')
 
 
-def check_test_checkpoint(model, path, partial=False, shown=4):
-    """Raise when the checkpoint at ``path`` lacks parameters of ``model`` (the model to evaluate,
-    inside any wrappers) or holds them in other shapes: mmengine's runner loads what matches and
-    evaluates the rest at its initial values with a warning. The file is read as the runner reads
-    it (its ``state_dict``, else the whole dict; ``module.`` prefixes dropped); a shape is not
-    checked under a module that resizes what it loads (a load_state_dict pre-hook, as mmpretrain's
-    ViT and Swin have for their position tables). ``partial``: only warn."""
+class CheckpointMismatch(RuntimeError):
+    """A checkpoint to evaluate does not fit the model of the config."""
+
+
+def check_test_checkpoint(model, checkpoint, name, partial=False, shown=4):
+    """Raise :class:`CheckpointMismatch` when ``checkpoint`` (the dict mmengine's runner loaded
+    from the file ``name``) lacks parameters of ``model`` (the model to evaluate, inside any
+    wrappers) or holds them in other shapes: the runner loads what matches and evaluates the rest
+    at its initial values with a warning. The dict is read as the runner reads it (its
+    ``state_dict``, else the whole dict; ``module.`` prefixes dropped); a shape is not checked
+    under a module that resizes what it loads (a load_state_dict pre-hook, as mmpretrain's ViT and
+    Swin have for their position tables). ``partial``: only warn."""
     import warnings
     from collections.abc import Mapping
 
     from mmengine.model import BaseTTAModel, is_model_wrapper
-
-    from linattn_mm.checkpoint import safe_load
     while is_model_wrapper(model) or isinstance(model, BaseTTAModel):
         model = model.module
-    ckpt = safe_load(path)
-    state = ckpt.get('state_dict', ckpt) if isinstance(ckpt, Mapping) else {}
+    state = checkpoint.get('state_dict', checkpoint) if isinstance(checkpoint, Mapping) else {}
     state = {k[len('module.'):] if k.startswith('module.') else k: v for k, v in state.items()
              if torch.is_tensor(v)}
     resizing = [n + '.' for n, m in model.named_modules() if m._load_state_dict_pre_hooks]
@@ -227,7 +241,7 @@ def check_test_checkpoint(model, path, partial=False, shown=4):
              and not any(r == '.' or k.startswith(r) for r in resizing)]
     if not missing and not other:
         return
-    problem = (f'checkpoint {path!r} does not fit the model of the config: '
+    problem = (f'checkpoint {name!r} does not fit the model of the config: '
                + '; '.join(filter(None, [
                    missing and f'{len(missing)} of its {len(params)} parameters are missing '
                                f'(e.g. {", ".join(map(repr, missing[:shown]))})',
@@ -236,9 +250,20 @@ def check_test_checkpoint(model, path, partial=False, shown=4):
         warnings.warn(problem + '; evaluating anyway (--partial-checkpoint): those parameters '
                       'keep their initial values')
         return
-    raise RuntimeError(problem + '. Evaluate the checkpoint with the config it was trained with, '
-                       'or pass --partial-checkpoint to evaluate anyway (those parameters keep '
-                       'their initial values)')
+    raise CheckpointMismatch(problem + '. Evaluate the checkpoint with the config it was trained '
+                             'with, or pass --partial-checkpoint to evaluate anyway (those '
+                             'parameters keep their initial values)')
+
+
+def checkpoint_fit_hook(name, partial=False):
+    """A runner hook that runs :func:`check_test_checkpoint` on the checkpoint the runner has just
+    read from ``name``, before it fills the model (the file is read once)."""
+    from mmengine.hooks import Hook
+
+    class CheckpointFitHook(Hook):
+        def after_load_checkpoint(self, runner, checkpoint):
+            check_test_checkpoint(runner.model, checkpoint, name, partial)
+    return CheckpointFitHook()
 
 
 def build_runner(cfg):

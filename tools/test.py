@@ -19,9 +19,9 @@ import numbers
 
 import linattn_mm  # noqa: F401
 from linattn_mm.checkpoint import safe_globals
-from linattn_mm.cli import (add_common_args, apply_launcher_defaults, build_runner,
-                            check_test_checkpoint, checkpoint_file_exists, close_process_group,
-                            load_config, parse_with_common)
+from linattn_mm.cli import (CheckpointMismatch, add_common_args, apply_launcher_defaults,
+                            build_runner, checkpoint_file_problem, checkpoint_fit_hook,
+                            close_process_group, load_config, parse_with_common)
 from linattn_mm.deploy import convert
 
 
@@ -63,8 +63,9 @@ def set_show_dir(cfg, scope, show_dir):
 
 def main(argv=None):
     args = parse_args(argv)
-    if not checkpoint_file_exists(args.checkpoint):
-        raise SystemExit(f'error: no checkpoint file {args.checkpoint!r}')
+    problem = checkpoint_file_problem(args.checkpoint)
+    if problem:
+        raise SystemExit(f'error: {problem}')
     cfg = load_config(args)
     cfg.load_from = args.checkpoint
     scope = cfg.get('default_scope', 'mmdet')
@@ -85,10 +86,9 @@ def main(argv=None):
             cfg.test_evaluator = evaluators + [dict(type='DumpResults', out_file_path=args.out)]
     apply_launcher_defaults(cfg)
     runner = build_runner(cfg)
-    try:
-        check_test_checkpoint(runner.model, args.checkpoint, args.partial_checkpoint)
-    except RuntimeError as e:
-        raise SystemExit(f'error: {e}')
+    # checks the checkpoint when the runner has read it, before it fills the model
+    runner.register_hook(checkpoint_fit_hook(args.checkpoint, args.partial_checkpoint),
+                         priority='VERY_HIGH')
     if not args.no_convert:
         # in place, before the checkpoint is loaded: the inference forms keep no copy of a weight
         # (their caches follow in-place loads), so the loaded weights are the ones that run
@@ -96,6 +96,9 @@ def main(argv=None):
     try:
         with safe_globals():  # mmengine checkpoints hold HistoryBuffers and numpy values
             metrics = runner.test()
+    except CheckpointMismatch as e:
+        close_process_group(wait=False)
+        raise SystemExit(f'error: {e}')
     except BaseException:
         close_process_group(wait=False)
         raise

@@ -97,7 +97,8 @@ def test_test_refuses_a_checkpoint_that_does_not_fit_the_config(demo_data, tmp_p
     """tools/test.py evaluates only a checkpoint that holds every parameter of the config's model
     in its shape (mmengine's runner would evaluate the rest at their initial values): another
     arch is an error that names the parameters; --partial-checkpoint evaluates anyway with a
-    warning; a checkpoint file that does not exist is a one-line error before anything is built."""
+    warning; a checkpoint file that does not exist or is cut short is a one-line error before
+    anything is built."""
     cfg, ckpt, test = _train_briefly('pvt/pvt-t_in1k.py', str(tmp_path / 'work'))
     cmd = [sys.executable, 'tools/test.py', cfg, ckpt, '--demo', '--work-dir',
            str(tmp_path / 'work'), '--cfg-options', 'model.backbone.arch=s'] + test
@@ -113,3 +114,10 @@ def test_test_refuses_a_checkpoint_that_does_not_fit_the_config(demo_data, tmp_p
                          cwd=REPO, capture_output=True, text=True)
     assert res.returncode == 1
     assert res.stderr.strip().splitlines()[-1] == f"error: no checkpoint file '{tmp_path}/no.pth'"
+    (tmp_path / 'cut.pth').write_bytes(open(ckpt, 'rb').read()[:4096])  # a download cut short
+    res = subprocess.run([sys.executable, 'tools/test.py', cfg, str(tmp_path / 'cut.pth')],
+                         cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 1
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"error: '{tmp_path}/cut.pth' (4096 bytes) is truncated or not a torch checkpoint "
+        f"(incomplete download? re-download it)")
