@@ -32,7 +32,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..common import into, kept_input, no_autocast, token_gram
+from ..common import backward_without_autocast, into, kept_input, no_autocast, token_gram
 from ..dispatch import (FUSED_WARPS, fused_block, fused_chunks, launch_fitted, padded_head_dims,
                         triton_module)
 from ..pola.triton import check_qkv
@@ -306,12 +306,8 @@ class NormAwareAttentionFused(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @backward_without_autocast  # float32 products, whatever the caller's autocast
     def backward(ctx, grad):
-        with no_autocast(grad.device):  # float32 products, whatever the caller's autocast
-            return NormAwareAttentionFused._backward(ctx, grad)
-
-    @staticmethod
-    def _backward(ctx, grad):
         q, k, v, sin, cos, w, km = ctx.saved_tensors
         lam, eps, v_dtype = ctx.args
         need = ctx.needs_input_grad

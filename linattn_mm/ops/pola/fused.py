@@ -45,7 +45,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..common import no_autocast, token_gram
+from ..common import backward_without_autocast, no_autocast, token_gram
 from ..dispatch import (FUSED_WARPS, TRITON_DTYPES, fused_block, fused_chunks, launch_fitted,
                         padded_head_dims, triton_module)
 from .autograd import _LN2, _key_side_grads
@@ -296,12 +296,8 @@ class PolarityAttentionFused(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @backward_without_autocast  # float32 products, whatever the caller's autocast
     def backward(ctx, grad):
-        with no_autocast(grad.device):  # float32 products, whatever the caller's autocast
-            return PolarityAttentionFused._backward(ctx, grad)
-
-    @staticmethod
-    def _backward(ctx, grad):
         q, k, v, k_bias, pf, inv_s, w = ctx.saved_tensors
         need = ctx.needs_input_grad
         B, h, N, d = q.shape

@@ -217,12 +217,6 @@ class SelfTransportAttention(torch.autograd.Function):
                                                    opts)
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        with no_autocast(grad.device):
-            return SelfTransportAttention._backward(ctx, grad)
-
-    @staticmethod
     def _forward(ctx, feats, refs, v, row, col, valid, scale, opts):
         B, h, n, d = feats.shape
         m = refs.shape[-2]
@@ -258,7 +252,9 @@ class SelfTransportAttention(torch.autograd.Function):
         return out.reshape(B, h, n, -1)
 
     @staticmethod
-    def _backward(ctx, grad):
+    @once_differentiable
+    @backward_without_autocast  # float32 products, whatever the caller's autocast
+    def backward(ctx, grad):
         feats, refs, v, col, valid, scl, *stacks = ctx.saved_tensors
         opts = ctx.opts
         B, h, n, d, m = ctx.shape
