@@ -129,7 +129,8 @@ def get_model(name, pretrained=None, device=None, allow_unsafe_pickle=None, conv
             loads whatever matches. Defaults to 0.5.
         **kwargs: merged into the config's ``model`` dict, e.g. ``backbone=dict(drop_path_rate=0)``.
     """
-    from linattn_mm.checkpoint import extract_state_dict, load_pretrained, safe_load
+    from linattn_mm.checkpoint import (extract_state_dict, load_pretrained, safe_load,
+                                       strip_prefixes)
     from linattn_mm.utils.progress import quiet_init_log
     # with a checkpoint the whole model is loaded below: not the backbone's own init checkpoint
     model = build_model(name, pretrained_backbone=pretrained is None, **kwargs)
@@ -137,12 +138,11 @@ def get_model(name, pretrained=None, device=None, allow_unsafe_pickle=None, conv
         model.init_weights()  # or unexpected keys is a warning: it still shows)
     if pretrained is not None:
         ckpt = safe_load(pretrained, allow_unsafe_pickle=allow_unsafe_pickle)
-        state, source = extract_state_dict(ckpt)
-        whole = any(k.startswith(('backbone.', 'module.backbone.')) for k in state)
+        state, _ = strip_prefixes(extract_state_dict(ckpt)[0], '')  # without DDP's module.
+        whole = any(k.startswith('backbone.') for k in state)
         if whole and hasattr(model, 'backbone'):  # a classifier's file for a detector: backbone
-            parts = {k[len('module.'):] if k.startswith('module.') else k for k in state}
             classifier = {'backbone', 'head', 'data_preprocessor'}
-            whole = not ({k.split('.')[0] for k in parts} <= classifier and
+            whole = not ({k.split('.')[0] for k in state} <= classifier and
                          {k.split('.')[0] for k in model.state_dict()} - classifier)
         if whole or not hasattr(model, 'backbone'):
             model.load_report = load_pretrained(model, ckpt, prefix=None,

@@ -120,15 +120,14 @@ class LinAttnViT(LinAttnBackbone):
             num_extra_tokens=self.num_extra_tokens, pretrain_hw=self.pretrain_hw, stage_idx=0)
         if out_type == 'featmap':  # the pyramid takes the blocks' outputs, not a final norm
             self.pretrained_ignore_keys = type(self).pretrained_ignore_keys + (r'^norm\.', )
-        else:
-            self.norm = nn.LayerNorm(C, eps=norm_eps)
-        if out_type == 'featmap':
             self.fpn1 = nn.Sequential(
                 nn.ConvTranspose2d(C, C, 2, 2), ChannelLayerNorm(C), nn.GELU(),
                 nn.ConvTranspose2d(C, C, 2, 2))
             self.fpn2 = nn.ConvTranspose2d(C, C, 2, 2)
             self.fpn3 = nn.Identity()
             self.fpn4 = nn.MaxPool2d(2, 2, ceil_mode=True)
+        else:
+            self.norm = nn.LayerNorm(C, eps=norm_eps)
         nn.init.trunc_normal_(self.pos_embed, std=.02)
         if with_cls_token:
             nn.init.trunc_normal_(self.cls_token, std=.02)
