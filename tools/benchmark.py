@@ -405,16 +405,12 @@ def _check_size(s):
 
 def _target_exists(target):
     """A built-in backbone name, a config file, or a stock config ``'mmdet::...py'``."""
-    if target in BACKBONES or osp.isfile(target):
+    if target in BACKBONES:
         return True
-    if '::' in target:
-        from mmengine.utils import get_installed_path
-        package, rel = target.split('::', 1)
-        try:
-            return osp.isfile(osp.join(get_installed_path(package), '.mim', 'configs', rel))
-        except Exception:  # the package is not installed
-            return False
-    return False
+    try:
+        return osp.isfile(_config_path(target))
+    except Exception:  # the package of a stock config is not installed
+        return False
 
 
 def core_impls(args):
@@ -450,15 +446,20 @@ def _compare_spec(spec):
     return spec[:seps[-1]], spec[seps[-1] + 1:]
 
 
-def _load_cfg(path):
-    """A config file, or a stock OpenMMLab config named ``'mmdet::swin/...py'`` (the config folder
-    shipped inside the installed package)."""
-    from mmengine.config import Config
+def _config_path(path):
+    """The file of a config: ``path``, or for a stock OpenMMLab config named
+    ``'mmdet::swin/...py'`` the one in the config folder shipped inside the installed package."""
     if '::' in path and not osp.exists(path):
         from mmengine.utils import get_installed_path
         package, rel = path.split('::', 1)
         path = osp.join(get_installed_path(package), '.mim', 'configs', rel)
-    return Config.fromfile(path)
+    return path
+
+
+def _load_cfg(path):
+    """A config file, or a stock OpenMMLab config named ``'mmdet::swin/...py'``."""
+    from mmengine.config import Config
+    return Config.fromfile(_config_path(path))
 
 
 def _no_pretrained(bb):
