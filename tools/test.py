@@ -49,8 +49,8 @@ def set_show_dir(cfg, scope, show_dir):
     arguments)."""
     hook = cfg.default_hooks.get('visualization')
     if hook is None:
-        raise SystemExit('error: the config has no visualization hook (default_hooks.visualization) '
-                         'for --show-dir')
+        raise SystemExit('error: the config has no visualization hook '
+                         '(default_hooks.visualization) for --show-dir')
     if scope == 'mmpretrain':  # VisualizationHook(enable, out_dir)
         hook.update(enable=True, out_dir=show_dir, interval=1)
     elif scope == 'mmseg':  # SegVisualizationHook(draw); the images go to the visualizer's dir

@@ -54,7 +54,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.amp and get_device() == 'cpu':
         raise SystemExit('error: --amp trains with mmengine\'s AmpOptimWrapper, which needs a GPU '
-                         '(or an NPU, MLU or MUSA device); on CPU, train in float32 (without --amp)')
+                         '(or an NPU, MLU or MUSA device); on CPU, train in float32 (without '
+                         '--amp)')
     cfg = load_config(args)
     if args.amp:
         wrapper = cfg.optim_wrapper.get('type', 'OptimWrapper')

@@ -10,10 +10,11 @@ from linattn_mm.utils.autocast_meta import (meta_autocast_dtype, meta_autocast_e
 
 __all__ = ['grad_needed', 'promote_types', 'into', 'sign_split', 'sign_split_dot', 'linear_into',
            'chunked_layer_setup', 'MIN_CHUNK_ROWS', 'core_chunk_rows', 'heads_buffer',
-           'token_chunks', 'token_slice', 'numpy_log2_', 'NUMPY_LOG2_MAX_THREADS', 'core_dtype', 'no_autocast', 'autocast_on',
-           'token_chunk_rows', 'TOKEN_CHUNK_ELEMENTS', 'TOKEN_MIN_ROWS', 'add_or_take',
-           'token_gram', 'token_gram_parts', 'TOKENS_PER_GRAM_PART', 'in_dtype_of',
-           'kept_input', 'autocast_dtype']
+           'token_chunks', 'token_slice', 'numpy_log2_', 'NUMPY_LOG2_MAX_THREADS', 'core_dtype',
+           'no_autocast', 'autocast_on', 'backward_without_autocast', 'token_chunk_rows',
+           'TOKEN_CHUNK_ELEMENTS', 'TOKEN_MIN_ROWS', 'add_or_take', 'token_gram',
+           'token_gram_parts', 'TOKENS_PER_GRAM_PART', 'in_dtype_of', 'kept_input',
+           'autocast_dtype']
 
 
 def grad_needed(*tensors):

@@ -205,8 +205,8 @@ def test_a_file_that_fills_little_of_the_model_is_refused(tmp_path):
     after = m.state_dict()
     matching = [k for k in sd if k in after]  # the norms outside the stages
     assert matching and not any(torch.equal(after[k], sd[k]) for k in matching)
-    m = LinAttnSwin(arch=arch, init_cfg=dict(type='Pretrained', checkpoint=str(tmp_path / 'mmp.pth'),
-                                             min_loaded=0))
+    m = LinAttnSwin(arch=arch, init_cfg=dict(type='Pretrained', min_loaded=0,
+                                             checkpoint=str(tmp_path / 'mmp.pth')))
     m.init_weights()
     torch.testing.assert_close(m.state_dict()['patch_embed.norm.weight'],
                                sd['patch_embed.norm.weight'])
