@@ -243,3 +243,42 @@ def test_released_dense_backbones_train_every_parameter():
         if left:
             unused[path] = left
     assert not unused, unused
+
+
+@pytest.mark.parametrize('cls,arch,convs_fan_out', [
+    (LinAttnPVT, 't', False), (LinAttnPVTv2, 'b0', True),
+    (LinAttnSwin, dict(embed_dims=16, depths=[1, 2, 1, 1], num_heads=[1, 2, 2, 4]), False),
+    (LinAttnViT, dict(embed_dims=32, depth=4, num_heads=2), False),
+], ids=['pvt', 'pvtv2', 'swin', 'vit'])
+def test_init_follows_the_official_code(cls, arch, convs_fan_out):
+    """``init_weights`` as the official code: trunc-normal(0.02) linears, unit LayerNorms;
+    convolutions at PyTorch's default (PVT v1, Swin, DeiT: their ``_init_weights`` skips them)
+    or fan-out normal N(0, 2 / (k k C_out / groups)) (PVTv2); PVT v1's ``pos_embed{i}``
+    trunc-normal(0.02) (they were zero); the patch-embedding LayerNorms of PVT / PVTv2 with
+    PyTorch's eps 1e-5, the blocks' 1e-6."""
+    torch.manual_seed(0)
+    m = cls(arch=arch)
+    convs = {n: c.weight.detach().clone() for n, c in m.named_modules()
+             if isinstance(c, torch.nn.Conv2d)}
+    assert convs
+    m.init_weights()
+    for n, c in m.named_modules():
+        if isinstance(c, torch.nn.Conv2d):
+            if convs_fan_out:
+                std = (2. / (c.kernel_size[0] * c.kernel_size[1] * c.out_channels
+                             // c.groups)) ** .5
+                assert not torch.equal(c.weight, convs[n])
+                if c.weight.numel() >= 1000:
+                    assert abs(c.weight.std().item() / std - 1) < 0.1, n
+            else:
+                assert torch.equal(c.weight, convs[n]), n
+        elif isinstance(c, torch.nn.Linear) and c.weight.numel() >= 1000:
+            assert abs(c.weight.std().item() / .02 - 1) < 0.1, n
+            assert c.bias is None or not c.bias.any()
+    if cls is LinAttnPVT:
+        for i in range(1, 5):
+            pos = getattr(m, f'pos_embed{i}')
+            assert abs(pos.std().item() / .02 - 1) < 0.15
+    if cls in (LinAttnPVT, LinAttnPVTv2):
+        assert {m.patch_embed1.norm.eps, m.patch_embed4.norm.eps} == {1e-5}
+        assert m.block1[0].norm1.eps == m.block4[0].norm2.eps == 1e-6

@@ -455,6 +455,71 @@ def test_official_pola_pvt_file_into_detection_backbone(tmp_path):
         torch.testing.assert_close(got[k], sd[k])
 
 
+def official_pvt_stage_maps(model, x):
+    """Stage maps of PVT v1 / PVTv2 in the official ``forward_features`` order (PVT
+    ``classification/pvt.py`` and ``pvt_v2.py``; FLatten's and PolaFormer's PVT files inherit
+    it), float64, Pola mixers through :func:`direct_pola`: per stage the patch-embedding conv,
+    *its own* ``nn.LayerNorm(C)`` (PyTorch's eps 1e-5; the blocks' norms take 1e-6), v1's
+    ``pos_embed`` resized bilinearly to the grid, the blocks ``x + attn(LN(x))``, ``x +
+    fc2(GELU([dwconv](fc1(LN(x)))))``, PVTv2's stage LayerNorm (1e-6)."""
+    v2 = not model.absolute_pos_embed
+    outs = []
+    for i in range(model.num_stages):
+        pe = getattr(model, f'patch_embed{i + 1}')
+        _, stride, pad = model.patch_geometry(i)
+        x = F.conv2d(x, pe.proj.weight, pe.proj.bias, stride=stride, padding=pad)
+        B, C, H, W = x.shape
+        t = F.layer_norm(x.flatten(2).transpose(1, 2), (C, ), pe.norm.weight, pe.norm.bias, 1e-5)
+        if not v2:
+            side = model.pretrain_img_size // model.strides[i]
+            pos = getattr(model, f'pos_embed{i + 1}').reshape(1, side, side, C)
+            pos = F.interpolate(pos.permute(0, 3, 1, 2), size=(H, W), mode='bilinear')
+            t = t + pos.reshape(1, C, H * W).permute(0, 2, 1)
+        for blk in getattr(model, f'block{i + 1}'):
+            a = F.layer_norm(t, (C, ), blk.norm1.weight, blk.norm1.bias, 1e-6)
+            t = t + direct_pola(blk.attn, a, (H, W))
+            mlp = blk.mlp
+            h = F.layer_norm(t, (C, ), blk.norm2.weight, blk.norm2.bias, 1e-6)
+            h = h @ mlp.fc1.weight.T + mlp.fc1.bias
+            if v2:
+                hc = h.transpose(1, 2).reshape(B, -1, H, W)
+                hc = F.conv2d(hc, mlp.dwconv.dwconv.weight, mlp.dwconv.dwconv.bias, padding=1,
+                              groups=hc.shape[1])
+                h = hc.flatten(2).transpose(1, 2)
+            t = t + F.gelu(h) @ mlp.fc2.weight.T + mlp.fc2.bias
+        if v2:
+            norm = getattr(model, f'norm{i + 1}')
+            t = F.layer_norm(t, (C, ), norm.weight, norm.bias, 1e-6)
+        x = t.transpose(1, 2).reshape(B, C, H, W)
+        outs.append(x)
+    return outs
+
+
+@pytest.mark.parametrize('cls,la_sr', [(LinAttnPVT, 1), (LinAttnPVT, 2), (LinAttnPVTv2, 1)])
+def test_pvt_skeleton_matches_official_forward(cls, la_sr):
+    """The whole Pola-PVT / PVTv2 forward (patch embeddings, position tables at another size,
+    blocks, stage norms) against the official order of operations, float64."""
+    arch = dict(embed_dims=[8, 16, 24, 32], depths=[1, 2, 1, 1], num_heads=[1, 2, 3, 4],
+                mlp_ratios=[2, 2, 2, 2], sr_ratios=[8, 4, 2, 1])
+    torch.manual_seed(0)
+    model = cls(arch, pretrain_img_size=64, drop_path_rate=0.,
+                attn_cfg=dict(type='PolaLinearAttention', la_sr_ratio=la_sr)).double().eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale = 1. if name.endswith(('scale', 'power')) else 0.3
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
+            if 'norm' in name and name.endswith('weight'):
+                p.add_(1)
+    x = torch.randn(2, 3, 96, 64, generator=g, dtype=torch.float64) * 0.5
+    with torch.no_grad():
+        got = model(x)
+        want = official_pvt_stage_maps(model, x)
+    assert [o.shape for o in got] == [w.shape for w in want]
+    for o, w in zip(got, want):
+        torch.testing.assert_close(o, w, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize('name,shapes,config,feat', [
     ('pola-pvt-t_in1k', lambda: official_pola_pvt_shapes([2, 2, 2, 2]),
      lambda: argparse.Namespace(model='pola_pvt_tiny'), 'mean_no_norm'),

@@ -60,8 +60,9 @@ def drop_path_rates(drop_path_rate, depths):
 
 
 def init_transformer_weights(m):
-    """Default init of the official PVT/Swin/DeiT code: trunc-normal(0.02) linears, unit
-    LayerNorms, fan-out normal convs."""
+    """Default init of the official PVT v1, Swin and DeiT code (and of PolaFormer's, which
+    inherits it): trunc-normal(0.02) linears with zero bias, unit norms. Convolutions keep
+    PyTorch's default init, as the official ``_init_weights`` never touches them."""
     if isinstance(m, nn.Linear):
         nn.init.trunc_normal_(m.weight, std=.02)
         if m.bias is not None:
@@ -71,7 +72,13 @@ def init_transformer_weights(m):
             nn.init.ones_(m.weight)
         if m.bias is not None:
             nn.init.zeros_(m.bias)
-    elif isinstance(m, nn.Conv2d):
+
+
+def init_transformer_weights_fan_out(m):
+    """Default init of the official PVTv2 code: :func:`init_transformer_weights` plus
+    fan-out normal convolutions, ``N(0, 2 / (k_h k_w C_out / groups))``, with zero bias."""
+    init_transformer_weights(m)
+    if isinstance(m, nn.Conv2d):
         fan_out = m.kernel_size[0] * m.kernel_size[1] * m.out_channels // m.groups
         nn.init.normal_(m.weight, 0, math.sqrt(2.0 / fan_out))
         if m.bias is not None:

@@ -11,7 +11,8 @@ import torch.nn as nn
 
 from linattn_mm.registry import register_backbone
 from ..utils.layers import PatchEmbed, make_blocks, nlc_to_nchw, resize_grid_embed
-from .base import LinAttnBackbone, drop_path_rates, per_stage, resolve_arch
+from .base import (LinAttnBackbone, drop_path_rates, init_transformer_weights_fan_out, per_stage,
+                   resolve_arch)
 
 _PVT_KEYS = ('embed_dims', 'depths', 'num_heads', 'mlp_ratios', 'sr_ratios')
 
@@ -54,12 +55,14 @@ class _PVTBase(LinAttnBackbone):
             k, s, p = self.patch_geometry(i)
             stride *= s
             self.strides.append(stride)
-            setattr(self, f'patch_embed{i + 1}', PatchEmbed(prev, a['embed_dims'][i], k, s, p,
-                                                                norm_eps=norm_eps))
+            # the official PatchEmbed / OverlapPatchEmbed build nn.LayerNorm(C): eps 1e-5, not
+            # the blocks' norm_eps
+            setattr(self, f'patch_embed{i + 1}', PatchEmbed(prev, a['embed_dims'][i], k, s, p))
             pre_hw = (pretrain_img_size // stride, pretrain_img_size // stride)
             if self.absolute_pos_embed:
-                setattr(self, f'pos_embed{i + 1}',
-                        nn.Parameter(torch.zeros(1, pre_hw[0] * pre_hw[1], a['embed_dims'][i])))
+                pos_embed = nn.Parameter(torch.zeros(1, pre_hw[0] * pre_hw[1], a['embed_dims'][i]))
+                nn.init.trunc_normal_(pos_embed, std=.02)
+                setattr(self, f'pos_embed{i + 1}', pos_embed)
             setattr(self, f'block{i + 1}', make_blocks(
                 a['depths'][i], dpr[i], embed_dims=a['embed_dims'][i],
                 num_heads=a['num_heads'][i], attn_cfg=attn_cfgs[i], mlp_ratio=a['mlp_ratios'][i],
@@ -138,7 +141,9 @@ class LinAttnPVT(_PVTBase):
         out_indices (tuple[int]): stages whose (NCHW) outputs are returned.
         qkv_bias (bool), drop_rate (float), drop_path_rate (float): as in PVT.
         with_cp (bool): gradient checkpointing per block.
-        norm_eps (float): LayerNorm epsilon; 1e-6 as in the official PVT code.
+        norm_eps (float): LayerNorm epsilon of the blocks (and of PVTv2's stage norms); 1e-6 as
+            in the official PVT code. The patch embeddings' LayerNorms have PyTorch's 1e-5, as
+            the official ``PatchEmbed`` / ``OverlapPatchEmbed`` (mmdet's PVT uses 1e-6 there).
         frozen_stages (int): stages (from the first) with frozen weights; -1 freezes nothing.
         norm_eval (bool): keep BatchNorm layers in eval mode while training.
         pretrained (str, deprecated) / init_cfg (dict): ``dict(type='Pretrained', checkpoint=…)``
@@ -178,6 +183,9 @@ class LinAttnPVTv2(_PVTBase):
     linear=True)`` gives the linear-SRA (``-li``) attention."""
     absolute_pos_embed = False
     conv_ffn_and_stage_norms = True
+    #: the official PVTv2 code also gives convolutions a fan-out normal init (PVT v1's leaves them
+    #: at PyTorch's default)
+    default_init = staticmethod(init_transformer_weights_fan_out)
     arch_zoo = {
         'b0': _pvt_arch([2, 2, 2, 2], dims=(32, 64, 160, 256)),
         'b1': _pvt_arch([2, 2, 2, 2]),

@@ -24,7 +24,8 @@ from linattn_mm.ops.lean_layers import recomputed
 from linattn_mm.registry import register_backbone
 from ..attentions.base import build_attention
 from ..utils.layers import BlocksThenDownsample, DropPath, Mlp, nchw_to_nlc, nlc_to_nchw
-from .base import LinAttnBackbone, drop_path_rates, per_stage, resolve_arch
+from .base import (LinAttnBackbone, drop_path_rates, init_transformer_weights_fan_out, per_stage,
+                   resolve_arch)
 
 _ARCH_KEYS = ('embed_dims', 'depths', 'num_heads', 'mlp_ratio')
 
@@ -155,6 +156,10 @@ class SeTformer(LinAttnBackbone):
             checkpoint trained with another m are adapted (K-means / copies, see
             :func:`linattn_mm.models.attentions.setformer.resize_refs`).
     """
+    #: SeTformer has no official code. Its convs (stem, downsamplers, any mixer's) take the
+    #: fan-out normal init of PVTv2's code; NAT's code leaves them at PyTorch's default. Kept so:
+    #: the learning check (docs/fidelity.md) and the demo were measured with it.
+    default_init = staticmethod(init_transformer_weights_fan_out)
     arch_zoo = {
         **dict.fromkeys(['m', 'mini'], _arch(64, (3, 4, 6, 5), (2, 4, 8, 16), 3., 0.2, None)),
         **dict.fromkeys(['t', 'tiny'], _arch(64, (3, 4, 18, 5), (2, 4, 8, 16), 3., 0.2, None)),
