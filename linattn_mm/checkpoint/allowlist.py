@@ -68,6 +68,9 @@ def _build_safe_globals() -> List[Tuple[object, str]]:
                 if (name.endswith('DType') and isinstance(cls, type)
                         and name != 'ObjectDType'):
                     entries.append((cls, f'numpy.dtypes.{name}'))
+    # pickle protocol 2 (torch.save's) writes an empty bytes object as the call ``bytes()``: an
+    # empty numpy array (e.g. a fresh HistoryBuffer's) needs it. The stand-in makes only b''.
+    entries.append((_empty_bytes, 'builtins.bytes'))
     try:
         from mmengine.logging.history_buffer import HistoryBuffer
         entries.append((HistoryBuffer, 'mmengine.logging.history_buffer.HistoryBuffer'))
@@ -96,6 +99,16 @@ def _restricted_getattr(owner, name):
     raise pickle.UnpicklingError(
         f'getattr({getattr(owner, "__qualname__", type(owner).__name__)!r}, {name!r}) is not '
         f'allowed in a safe checkpoint')
+
+
+def _empty_bytes(*args):
+    """Stand-in for ``builtins.bytes`` in weights-only unpickling: pickle protocol 2 writes
+    ``b''`` as ``bytes()`` (non-empty bytes go through ``_codecs.encode``, which torch allows).
+    Only that call is accepted: ``bytes(n)`` would let a small file allocate n bytes."""
+    if args:
+        raise pickle.UnpicklingError(f'bytes{args!r} is not allowed in a safe checkpoint (only '
+                                     f"bytes(), the pickled form of b'')")
+    return b''
 
 
 #: harmless globals allow-listed for ``weights_only`` loading, as ``(object, pickled name)``

@@ -657,6 +657,29 @@ def test_restricted_getattr_refuses_other_attributes(tmp_path, restore_allow_lis
     assert 'builtins.eval' not in names and 'numpy.dtypes.ObjectDType' not in names
 
 
+class HugeBytes:
+    """Pickles as ``bytes(10**12)``: a tiny file asking for a terabyte."""
+
+    def __reduce__(self):
+        return bytes, (10 ** 12, )
+
+
+def test_empty_arrays_and_bytes_load_but_bytes_of_a_size_do_not(tmp_path, restore_allow_list):
+    """Pickle protocol 2 writes b'' as the call ``bytes()``: empty numpy arrays (a fresh
+    HistoryBuffer's history) and empty bytes load through the allow-list with their values;
+    ``bytes(n)`` is refused."""
+    from mmengine.logging import HistoryBuffer
+    obj = {'model': {'a': torch.ones(1)}, 'e': np.zeros(0), 'i': np.array([], dtype=np.int64),
+           'b': b'', 'nb': b'ab', 'hb': HistoryBuffer()}
+    ckpt = safe_load(save(obj, tmp_path / 'e.pth'), allow_unsafe_pickle=False)
+    assert ckpt['e'].shape == (0, ) and ckpt['e'].dtype == np.float64
+    assert ckpt['i'].dtype == np.int64 and ckpt['b'] == b'' and ckpt['nb'] == b'ab'
+    assert isinstance(ckpt['hb'], HistoryBuffer) and len(ckpt['hb'].data[0]) == 0
+    path = save({'model': {'a': torch.ones(1)}, 'x': HugeBytes()}, tmp_path / 'h.pth')
+    with pytest.raises(CheckpointError, match=r"bytes\(1000000000000,\) is not allowed"):
+        safe_load(path, allow_unsafe_pickle=False)
+
+
 # ----------------------------------------------------------------------------------------------
 # conversion
 # ----------------------------------------------------------------------------------------------

@@ -68,3 +68,41 @@ def test_launch_scripts_without_their_arguments_print_their_usage():
                              capture_output=True, text=True)
         assert res.returncode == 2
         assert res.stderr.strip() == f'usage: bash tools/{script} {usage}'
+
+
+@pytest.mark.parametrize('env_extra,want', [
+    ({}, 'venv'), ({'PYTHON': 'CHOSEN'}, 'chosen'), ({'VIRTUAL_ENV': '/some/env'}, 'path')])
+def test_launch_scripts_pick_the_projects_environment(tmp_path, env_extra, want):
+    """Without PYTHON set and outside an activated environment, the launch scripts run the
+    project's .venv python (which the README's set-up makes), not whatever ``python`` is on PATH;
+    PYTHON, or an activated virtual / conda environment, takes precedence."""
+    import shutil
+    import stat
+    root = tmp_path / 'repo'
+    (root / 'tools').mkdir(parents=True)
+    bindir = tmp_path / 'bin'
+    for script in ('dist_train.sh', 'dist_test.sh'):
+        shutil.copy(osp.join(REPO, 'tools', script), root / 'tools' / script)
+    log = tmp_path / 'calls.txt'
+
+    def fake(path, tag):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f'#!/usr/bin/env bash\necho "{tag} $*" >> {log}\n')
+        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    fake(root / '.venv' / 'bin' / 'python', 'venv')
+    fake(bindir / 'python', 'path')
+    fake(bindir / 'CHOSEN', 'chosen')
+    env = {k: v for k, v in os.environ.items()
+           if k not in ('PYTHON', 'VIRTUAL_ENV', 'CONDA_PREFIX')}
+    env.update(env_extra, PATH=f'{bindir}:{env["PATH"]}')
+    for args in (['dist_train.sh', 'cfg.py', '2'], ['dist_test.sh', 'cfg.py', 'w.pth', '2']):
+        res = subprocess.run(['bash', str(root / 'tools' / args[0])] + args[1:], env=env,
+                             capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+    calls = log.read_text().splitlines()
+    tools = str(root / 'tools')
+    assert calls == [
+        f'{want} -m torch.distributed.run --nnodes=1 --node_rank=0 --master_addr=127.0.0.1 '
+        f'--master_port=29500 --nproc_per_node=2 {tools}/train.py cfg.py --launcher pytorch',
+        f'{want} -m torch.distributed.run --nnodes=1 --node_rank=0 --master_addr=127.0.0.1 '
+        f'--master_port=29500 --nproc_per_node=2 {tools}/test.py cfg.py w.pth --launcher pytorch']
