@@ -20,7 +20,8 @@ def read_version():
 
 
 class BuildWithConfigs(build_py):
-    """Copy ``configs/`` into the built package as ``linattn_mm/.mim/configs``."""
+    """Copy ``configs/`` into the built package as ``linattn_mm/.mim/configs`` (from the
+    source tree, or from an sdist, which carries them through MANIFEST.in)."""
 
     def run(self):
         super().run()
@@ -28,7 +29,7 @@ class BuildWithConfigs(build_py):
         dst = os.path.join(self.build_lib, 'linattn_mm', '.mim', 'configs')
         if os.path.isdir(src):
             shutil.rmtree(dst, ignore_errors=True)
-            shutil.copytree(src, dst)
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns('__pycache__', '*.py[cod]'))
 
 
 setup(
@@ -40,9 +41,11 @@ setup(
         os.path.join(HERE, 'README.md')) else '',
     long_description_content_type='text/markdown',
     packages=find_packages(include=['linattn_mm', 'linattn_mm.*']),
-    python_requires='>=3.9',
+    python_requires='>=3.10',  # torch 2.13.0's own requirement
     install_requires=[
-        'torch===2.13.0',
+        # '==': a CUDA build with a local label (2.13.0+cu126) satisfies it. The project's own
+        # environment pins '===' through tools/constraints.txt (tools/bootstrap.sh).
+        'torch==2.13.0',
         'torchvision==0.28.0',
         'mmengine==0.10.7',
         'mmcv==2.1.0',

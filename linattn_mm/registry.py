@@ -70,8 +70,10 @@ def register_downstream(libraries=None):
             continue  # not installed: nothing to register into
         try:
             registry = importlib.import_module(DOWNSTREAM_REGISTRIES[lib]).MODELS
-        except ImportError as e:  # library missing or its version check failed
-            warnings.warn(f'linattn_mm: {lib} is not importable ({e}); its registry is skipped')
+        except (ImportError, AssertionError) as e:
+            # missing, or its version check failed: mmdet / mmseg assert the mmcv version
+            warnings.warn(f'linattn_mm: {lib} is not importable ({type(e).__name__}: {e}); its '
+                          f'registry is skipped')
             continue
         for cls in _BACKBONES:
             existing = registry.module_dict.get(cls.__name__)

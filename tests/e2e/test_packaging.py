@@ -16,7 +16,7 @@ import linattn_mm
 
 # what setup.py reads; copying only these keeps the build off the repository (no build/ or
 # egg-info there) and away from data/ and work_dirs/
-SOURCES = ['setup.py', 'README.md', 'linattn_mm', 'configs']
+SOURCES = ['setup.py', 'MANIFEST.in', 'README.md', 'CHANGELOG.md', 'linattn_mm', 'configs']
 
 
 def _config_files():
@@ -28,8 +28,19 @@ def _config_files():
     return sorted(files)
 
 
+def _pip_wheel(target, out, cwd):
+    res = subprocess.run(
+        [sys.executable, '-m', 'pip', 'wheel', str(target), '--no-deps', '--no-build-isolation',
+         '--no-index', '--disable-pip-version-check', '-q', '-w', str(out)],
+        capture_output=True, text=True, timeout=600, cwd=str(cwd))
+    assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
+    wheels = sorted(out.glob('linattn_mm-*.whl'))
+    assert len(wheels) == 1, os.listdir(out)
+    return wheels[0]
+
+
 @pytest.fixture(scope='module')
-def wheel(tmp_path_factory):
+def source_copy(tmp_path_factory):
     src = tmp_path_factory.mktemp('src')
     ignore = shutil.ignore_patterns('__pycache__', '*.pyc', '*.egg-info')
     for name in SOURCES:
@@ -38,18 +49,45 @@ def wheel(tmp_path_factory):
             shutil.copytree(path, src / name, ignore=ignore)
         elif osp.isfile(path):
             shutil.copy2(path, src / name)
-    out = tmp_path_factory.mktemp('wheelhouse')
-    res = subprocess.run(
-        [sys.executable, '-m', 'pip', 'wheel', str(src), '--no-deps', '--no-build-isolation',
-         '--no-index', '--disable-pip-version-check', '-q', '-w', str(out)],
-        capture_output=True, text=True, timeout=600, cwd=str(src))
+    return src
+
+
+@pytest.fixture(scope='module')
+def wheel(source_copy, tmp_path_factory):
+    return _pip_wheel(source_copy, tmp_path_factory.mktemp('wheelhouse'), source_copy)
+
+
+@pytest.fixture(scope='module')
+def sdist(source_copy, tmp_path_factory):
+    """The source distribution (``python setup.py sdist``), built from a copy of the sources."""
+    out = tmp_path_factory.mktemp('sdist')
+    res = subprocess.run([sys.executable, 'setup.py', '-q', 'sdist', '-d', str(out)],
+                         capture_output=True, text=True, timeout=600, cwd=str(source_copy))
     assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
-    wheels = sorted(out.glob('linattn_mm-*.whl'))
-    assert len(wheels) == 1, os.listdir(out)
-    return wheels[0]
+    found = sorted(out.glob('linattn_mm-*.tar.gz'))
+    assert len(found) == 1, os.listdir(out)
+    return found[0]
+
+
+def test_wheel_built_from_the_sdist_ships_every_config(sdist, tmp_path):
+    """``python -m build`` (and ``pip install`` of an sdist) builds the wheel from the sdist,
+    not from the source tree: the sdist must carry the configs (MANIFEST.in)."""
+    import tarfile
+    with tarfile.open(sdist) as tf:
+        names = tf.getnames()
+    top = names[0].split('/')[0]
+    in_sdist = {n[len(top) + len('/configs/'):] for n in names
+                if n.startswith(f'{top}/configs/') and n.endswith('.py')}
+    assert in_sdist == {f for f in _config_files() if f.endswith('.py')}
+    assert f'{top}/CHANGELOG.md' in names and not any('__pycache__' in n for n in names)
+    _assert_ships_every_config(_pip_wheel(sdist, tmp_path, tmp_path))
 
 
 def test_wheel_ships_every_config(wheel):
+    _assert_ships_every_config(wheel)
+
+
+def _assert_ships_every_config(wheel):
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
     prefix = 'linattn_mm/.mim/configs/'

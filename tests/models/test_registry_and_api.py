@@ -1,4 +1,5 @@
 """Registration in mmpretrain / mmdet / mmseg, ops-free model code, and the Python API."""
+import importlib.abc
 import subprocess
 import sys
 
@@ -71,6 +72,43 @@ def test_register_downstream_is_idempotent_and_refuses_clashes():
         reg.DOWNSTREAM_REGISTRIES.clear()
         reg.DOWNSTREAM_REGISTRIES.update(orig)
         del sys.modules['_linattn_fake_registry']
+
+
+def test_a_library_that_fails_its_version_check_is_skipped_with_a_warning():
+    """mmdet 3.3 / mmseg 1.2 *assert* their mmcv version on import (AssertionError, not
+    ImportError): with a rejected mmcv installed, the other registries are still filled and the
+    one that failed is named in a warning, instead of ``import linattn_mm`` failing."""
+    import importlib.machinery
+    import types
+
+    from linattn_mm import registry as reg
+    mod = types.ModuleType('_linattn_bad_version')
+    mod.__spec__ = importlib.machinery.ModuleSpec('_linattn_bad_version', None)
+    mod.__path__ = []  # a package, so its submodule is looked up by the finders
+    sys.modules['_linattn_bad_version'] = mod
+    finder_name = '_linattn_bad_version.registry'
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == finder_name:
+                raise AssertionError('MMCV==2.2.0 is used but incompatible. Please install '
+                                     'mmcv>=2.0.0rc4, <2.2.0.')
+            return None
+
+    finder = Finder()
+    sys.meta_path.insert(0, finder)
+    orig = dict(reg.DOWNSTREAM_REGISTRIES)
+    reg.DOWNSTREAM_REGISTRIES['baddet'] = finder_name
+    try:
+        with pytest.warns(UserWarning, match=r'baddet is not importable \(AssertionError: '
+                                             r'MMCV==2\.2\.0 is used but incompatible'):
+            done = reg.register_downstream()
+        assert done == ['mmpretrain', 'mmdet', 'mmseg']
+    finally:
+        sys.meta_path.remove(finder)
+        reg.DOWNSTREAM_REGISTRIES.clear()
+        reg.DOWNSTREAM_REGISTRIES.update(orig)
+        del sys.modules['_linattn_bad_version']
 
 
 def test_model_code_imports_without_compiled_ops():
