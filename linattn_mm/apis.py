@@ -115,7 +115,9 @@ def get_model(name, pretrained=None, device=None, allow_unsafe_pickle=None, conv
             classifier's file (only ``backbone.*`` and ``head.*``) for a model with other parts (a
             detector's neck and heads), which fills its backbone; any other file (an official
             ImageNet checkpoint, a raw state dict) goes into ``model.backbone``. The load report
-            (missing / unexpected / resized keys) is kept as ``model.load_report``.
+            (missing / unexpected / resized keys) is kept as ``model.load_report``. Without it
+            the config's own backbone file (its ``Pretrained`` init_cfg, an ImageNet checkpoint)
+            is loaded, as in training; ``backbone=dict(init_cfg=None)`` builds random weights.
         device (str, optional): move the model there.
         allow_unsafe_pickle (bool, optional): opt in to full pickle loading of trusted files.
         convert (bool): an inference model: the blocks and mixers get their inference forms for
