@@ -38,7 +38,16 @@ def load_config(args):
     name>``, with ``_demo`` appended under ``--demo``) applied."""
     from mmengine.config import Config
     if not osp.isfile(args.config):
-        raise SystemExit(f'error: no config file {args.config!r}')
+        name = args.config
+        if name.endswith('.py') or '/' in name or os.sep in name:
+            raise SystemExit(f'error: no config file {name!r}')
+        from linattn_mm.apis import get_config
+        try:  # a model-zoo name (linattn_mm.list_models()): its config file
+            cfg = get_config(name)
+        except KeyError as e:
+            raise SystemExit(f'error: no config file {name!r}, nor a model-zoo name: '
+                             f'{e.args[0]}') from None
+        args.config = cfg.filename
     cfg = Config.fromfile(args.config)
     demo = getattr(args, 'demo', False)
     if demo:

@@ -27,7 +27,8 @@ from linattn_mm.deploy import convert
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description='Test a detector, segmentor or classifier')
-    p.add_argument('config', help='config file path')
+    p.add_argument('config', help='config file path, or a model-zoo name '
+                   '(linattn_mm.list_models())')
     p.add_argument('checkpoint', help='checkpoint file')
     p.add_argument('--out', help='dump predictions to this pickle file (mmdet, mmpretrain) or '
                    'prediction images to this directory (mmseg)')

@@ -33,7 +33,8 @@ from linattn_mm.ops.dispatch import CORES
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description='Train a detector, segmentor or classifier')
-    p.add_argument('config', help='config file path')
+    p.add_argument('config', help='config file path, or a model-zoo name '
+                   '(linattn_mm.list_models())')
     p.add_argument('--amp', action='store_true', help='automatic mixed precision training')
     p.add_argument('--auto-scale-lr', action='store_true',
                    help='scale the learning rate by the actual batch size')

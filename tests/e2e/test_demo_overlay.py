@@ -172,6 +172,17 @@ def test_options_that_set_a_pretrained_file_apply_on_the_configs_own_init_cfg(de
     args = parse_with_common(parser, ['configs/nope.py'])
     with pytest.raises(SystemExit, match="error: no config file 'configs/nope.py'"):
         load_config(args)
+    # a model-zoo name stands for its config file, as in get_model; a misspelt one is named
+    args = parse_with_common(parser, ['pola-pvt-t_in1k'])
+    cfg = load_config(args)
+    assert osp.samefile(args.config, _cfg('polaformer/pola-pvt-t_in1k.py'))
+    assert cfg.work_dir == './work_dirs/pola-pvt-t_in1k'
+    assert cfg.model.backbone.type == 'LinAttnPVT'
+    args = parse_with_common(parser, ['pola-pvt-t-in1k'])
+    with pytest.raises(SystemExit, match=r"error: no config file 'pola-pvt-t-in1k', nor a "
+                                         r"model-zoo name: unknown model .*similar: "
+                                         r"\['pola-pvt-t_in1k'"):
+        load_config(args)
     monkeypatch.chdir(tmp_path)  # no data/demo here: --demo says what to run
     args = parse_with_common(parser, [path, '--demo'])
     with pytest.raises(SystemExit, match=r'--demo trains and tests on the generated demo data in '
