@@ -91,6 +91,10 @@ def build_model(name, pretrained_backbone=True, **kwargs):
     from mmengine.registry import DefaultScope
     cfg = get_config(name)
     model_cfg = ConfigDict(_merge(cfg.model.to_dict(), copy.deepcopy(kwargs)))
+    # mmpretrain configs keep the normalisation at the top level; the runner (and the libraries'
+    # init_model) hand it to the model unless the model has its own
+    if cfg.get('data_preprocessor') is not None:
+        model_cfg.setdefault('data_preprocessor', copy.deepcopy(cfg.data_preprocessor))
     scope = cfg.get('default_scope', 'mmpretrain')
     if scope not in SCOPE_REGISTRIES:
         raise ValueError(f'config {name!r} has default_scope {scope!r}; expected one of '

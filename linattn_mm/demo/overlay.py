@@ -198,6 +198,11 @@ def demo_patch(cfg, data_root=DEMO_ROOT):
                            checkpoint=dict(interval=data['checkpoint_interval'],
                                            max_keep_ckpts=2)),
         model=_model_patch(cfg.model, data))
+    # the top-level pipelines too: mmseg's inference_model (and other readers of the config)
+    # take cfg.test_pipeline, not the dataloader's copy
+    for key in ('train_pipeline', 'test_pipeline'):
+        if isinstance(cfg.get(key), list):
+            patch[key] = copy.deepcopy(data[key])
     return _without_kept(cfg, patch, name)
 
 

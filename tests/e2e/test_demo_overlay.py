@@ -53,6 +53,20 @@ def test_two_stage_detector():
     assert train.rcnn.sampler.pos_fraction == stock.model.train_cfg.rcnn.sampler.pos_fraction
 
 
+@pytest.mark.parametrize('rel', ['swin/mask-rcnn_swin-t_fpn_1x_coco.py',
+                                 'setformer/fpn_setformer-t_8xb4-40k_ade20k-512x512.py',
+                                 'swin/swin-t_in1k.py'])
+def test_top_level_pipelines_are_the_dataloaders(rel):
+    """The config's top-level ``train_pipeline`` / ``test_pipeline`` (what mmseg's
+    ``inference_model`` reads) are the demo's, as the dataloaders' are."""
+    cfg = demo_form(_cfg(rel))
+    train = cfg.train_dataloader.dataset
+    train = train.get('dataset', train)  # inside a RepeatDataset
+    assert cfg.train_pipeline == train.pipeline
+    assert cfg.test_pipeline == cfg.test_dataloader.dataset.pipeline
+    assert cfg.test_pipeline != Config.fromfile(_cfg(rel)).test_pipeline
+
+
 def test_cascade_and_one_stage_detectors_keep_their_train_cfg():
     for rel in ('swin/cascade-mask-rcnn_swin-t_fpn_4conv1fc-giou_ms-crop-3x_coco.py',
                 'swin/retinanet_swin-t_fpn_1x_coco.py'):

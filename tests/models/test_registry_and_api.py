@@ -155,6 +155,21 @@ def test_get_model_classifier_and_errors():
         linattn_mm.get_model('swin-x_in1k')
 
 
+def test_get_model_classifier_normalises_as_the_config_says():
+    """mmpretrain configs hold ``data_preprocessor`` (mean, std, BGR to RGB) at the top level:
+    the model of ``get_model`` normalises with it, as the runner's and ``init_model``'s do."""
+    cfg = linattn_mm.get_config('pola-pvt-t_in1k')
+    pre = cfg.data_preprocessor
+    m = linattn_mm.get_model('pola-pvt-t_in1k', convert=False)
+    img = torch.randint(0, 256, (3, 40, 48), dtype=torch.uint8)
+    got = m.data_preprocessor(dict(inputs=[img]), False)['inputs']
+    mean = torch.tensor(pre.mean).view(3, 1, 1)
+    std = torch.tensor(pre.std).view(3, 1, 1)
+    assert pre.to_rgb
+    want = (img.flip(0).float() - mean) / std  # BGR file order to RGB, then normalised
+    torch.testing.assert_close(got[0], want)
+
+
 def test_get_model_pretrained_official_file(tmp_path):
     """An official-format file ({'model': ...} with backbone keys and 'head.weight/bias') gives an
     mmpretrain classifier computing exactly the official function: GAP of the last stage, then
