@@ -76,6 +76,57 @@ def load_config(args):
     return cfg
 
 
+def _flip_tta_pipeline(test_pipeline, pack):
+    """The test pipeline with its last step (the packing) replaced by horizontal flip / no flip,
+    each packed by ``pack``: the default test-time augmentation of mmdet's and mmpretrain's
+    test tools."""
+    pipeline = copy.deepcopy(list(test_pipeline))
+    pipeline[-1] = dict(type='TestTimeAug', transforms=[
+        [dict(type='RandomFlip', prob=1.), dict(type='RandomFlip', prob=0.)], [pack]])
+    return pipeline
+
+
+def apply_tta(cfg, scope):
+    """``--tta`` of tools/test.py, as each library's own test tool: the model wrapped in the
+    config's ``tta_model`` and the test set on its ``tta_pipeline``. mmdet and mmpretrain configs
+    without them get those tools' defaults (flip test-time augmentation; a warning says so);
+    mmseg's tool has none, so they are required there."""
+    import warnings
+    missing = [k for k in ('tta_model', 'tta_pipeline') if k not in cfg]
+    if missing and scope == 'mmseg':
+        raise SystemExit(f'error: --tta needs {" and ".join(missing)} in the config (mmseg '
+                         f'configs inherit them from the stock dataset and runtime bases)')
+    test_set = cfg.test_dataloader.dataset
+    while 'dataset' in test_set:  # inside dataset wrappers
+        test_set = test_set['dataset']
+    if 'tta_model' not in cfg:
+        cfg.tta_model = dict(type='DetTTAModel', tta_cfg=dict(
+            nms=dict(type='nms', iou_threshold=0.5), max_per_img=100)) if scope == 'mmdet' \
+            else dict(type='mmpretrain.AverageClsScoreTTA')
+    if 'tta_pipeline' not in cfg:
+        pack = dict(type='PackDetInputs', meta_keys=(
+            'img_id', 'img_path', 'ori_shape', 'img_shape', 'scale_factor', 'flip',
+            'flip_direction')) if scope == 'mmdet' else copy.deepcopy(test_set.pipeline[-1])
+        cfg.tta_pipeline = _flip_tta_pipeline(test_set.pipeline, pack)
+    if missing:
+        warnings.warn(f'--tta: the config has no {" or ".join(missing)}; using the {scope} test '
+                      f'tool\'s default (flip test-time augmentation)')
+    if str(cfg.tta_model.get('type', '')).split('.')[-1] == 'DetTTAModel' and \
+            _has_key(cfg.model, 'mask_head'):
+        raise SystemExit('error: --tta: mmdet\'s DetTTAModel merges boxes only, and this model '
+                         'predicts masks (it has a mask_head): test it without --tta')
+    cfg.model = dict(**cfg.tta_model, module=cfg.model)
+    cfg.test_dataloader.dataset.pipeline = cfg.tta_pipeline
+
+
+def _has_key(tree, key):
+    if isinstance(tree, dict):
+        return key in tree or any(_has_key(v, key) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return any(_has_key(v, key) for v in tree)
+    return False
+
+
 def apply_launcher_defaults(cfg):
     """Make multi-process runs work without CUDA: the gloo backend (nccl needs GPUs), the
     process group created here for the ``pytorch`` (torchrun) launcher (mmengine's own set-up

@@ -20,7 +20,7 @@ import numbers
 import linattn_mm  # noqa: F401
 from linattn_mm.checkpoint import safe_globals
 from linattn_mm.cli import (CheckpointMismatch, add_common_args, apply_launcher_defaults,
-                            build_runner, checkpoint_file_problem, checkpoint_fit_hook,
+                            apply_tta, build_runner, checkpoint_file_problem, checkpoint_fit_hook,
                             close_process_group, load_config, parse_with_common)
 from linattn_mm.deploy import convert
 
@@ -35,7 +35,8 @@ def parse_args(argv=None):
     p.add_argument('--show-dir', help='save drawn predictions in DIR (mmdet configs: under '
                    'work_dir/<timestamp>/DIR, as its own test tool)')
     p.add_argument('--tta', action='store_true', help='test-time augmentation (tta_model and '
-                   'tta_pipeline of the config)')
+                   'tta_pipeline of the config; mmdet / mmpretrain configs without them: flip, '
+                   'as their test tools)')
     p.add_argument('--no-convert', action='store_true', help='run the plain forms of the blocks '
                    'and mixers instead of their inference forms (linattn_mm.deploy.convert)')
     p.add_argument('--partial-checkpoint', action='store_true', help='evaluate a checkpoint that '
@@ -73,10 +74,7 @@ def main(argv=None):
     if args.show_dir:
         set_show_dir(cfg, scope, args.show_dir)
     if args.tta:
-        if 'tta_model' not in cfg or 'tta_pipeline' not in cfg:
-            raise RuntimeError('--tta needs tta_model and tta_pipeline in the config')
-        cfg.model = dict(**cfg.tta_model, module=cfg.model)
-        cfg.test_dataloader.dataset.pipeline = cfg.tta_pipeline
+        apply_tta(cfg, scope)
     if args.out:
         if scope == 'mmseg':
             cfg.test_evaluator['output_dir'] = args.out

@@ -93,6 +93,61 @@ def test_show_dir_draws_every_test_image(demo_data, tmp_path, config, pattern):
     assert len(glob.glob(str(vis / pattern))) == 2  # the test set of the short run: 2 images
 
 
+@pytest.mark.parametrize('config,metric', [
+    ('polaformer/retinanet_pola-pvt-t_fpn_1x_coco.py', 'coco/bbox_mAP'),
+    ('pvt/pvt-t_in1k.py', 'accuracy/top1')], ids=['mmdet', 'mmpretrain'])
+def test_tta_without_tta_settings_in_the_config_flips(demo_data, tmp_path, config, metric):
+    """``--tta`` on a config without ``tta_model`` / ``tta_pipeline``: flip test-time
+    augmentation, the default of mmdet's and mmpretrain's own test tools, with a warning. (mmdet's
+    DetTTAModel merges boxes only: a model with masks is a clear error.)"""
+    cfg, ckpt, test = _train_briefly(config, str(tmp_path / 'work'))
+    out = run_tool(['tools/test.py', cfg, ckpt, '--demo', '--tta', '--work-dir',
+                    str(tmp_path / 'work'), '--cfg-options'] + test)
+    assert '--tta: the config has no tta_model or tta_pipeline' in out
+    assert metric in metrics_of(out)
+
+
+def test_apply_tta_builds_each_librarys_default():
+    """The wrapped model and the flip pipeline of ``--tta`` per library; an mmseg config without
+    them is an error (mmseg's tool has no default)."""
+    import argparse
+
+    from mmengine.config import Config
+
+    from linattn_mm.cli import add_common_args, apply_tta, load_config, parse_with_common
+    parser = argparse.ArgumentParser()
+    parser.add_argument('config')
+    parser = add_common_args(parser)
+    for config, wrapper, pack in (
+            ('polaformer/retinanet_pola-pvt-t_fpn_1x_coco.py', 'DetTTAModel', 'PackDetInputs'),
+            ('pvt/pvt-t_in1k.py', 'mmpretrain.AverageClsScoreTTA', 'PackInputs')):
+        cfg = load_config(parse_with_common(parser, [osp.join(CFG, config)]))
+        stock = Config.fromfile(osp.join(CFG, config))
+        with pytest.warns(UserWarning, match='flip test-time augmentation'):
+            apply_tta(cfg, cfg.default_scope)
+        assert cfg.model.type == wrapper and cfg.model.module == stock.model
+        pipe = cfg.test_dataloader.dataset.pipeline
+        assert pipe[:-1] == stock.test_dataloader.dataset.pipeline[:-1]
+        assert pipe[-1].type == 'TestTimeAug'
+        assert [t.prob for t in pipe[-1].transforms[0]] == [1., 0.]
+        assert [t.type for t in pipe[-1].transforms[1]] == [pack]
+    masks = load_config(parse_with_common(parser, [
+        osp.join(CFG, 'polaformer/mask-rcnn_pola-pvt-t_fpn_1x_coco.py')]))
+    with pytest.raises(SystemExit, match="error: --tta: mmdet's DetTTAModel merges boxes only"), \
+            pytest.warns(UserWarning):
+        apply_tta(masks, 'mmdet')
+    seg = load_config(parse_with_common(parser, [
+        osp.join(CFG, 'polaformer/fpn_pola-pvt-t_8xb4-40k_ade20k-512x512.py')]))
+    assert seg.tta_model.type == 'SegTTAModel'  # from the stock bases: used as it is
+    apply_tta(seg, 'mmseg')
+    assert seg.model.type == 'SegTTAModel' and seg.model.module.type == 'EncoderDecoder'
+    seg = load_config(parse_with_common(parser, [
+        osp.join(CFG, 'polaformer/fpn_pola-pvt-t_8xb4-40k_ade20k-512x512.py')]))
+    del seg['tta_pipeline']
+    with pytest.raises(SystemExit, match='error: --tta needs tta_pipeline in the config'):
+        apply_tta(seg, 'mmseg')
+
+
 def test_test_refuses_a_checkpoint_that_does_not_fit_the_config(demo_data, tmp_path):
     """tools/test.py evaluates only a checkpoint that holds every parameter of the config's model
     in its shape (mmengine's runner would evaluate the rest at their initial values): another
