@@ -158,7 +158,7 @@ def test_get_model_classifier_and_errors():
 def test_get_model_classifier_normalises_as_the_config_says():
     """mmpretrain configs hold ``data_preprocessor`` (mean, std, BGR to RGB) at the top level:
     the model of ``get_model`` normalises with it, as the runner's and ``init_model``'s do."""
-    cfg = linattn_mm.get_config('pola-pvt-t_in1k')
+    cfg = linattn_mm.apis.get_config('pola-pvt-t_in1k')
     pre = cfg.data_preprocessor
     m = linattn_mm.get_model('pola-pvt-t_in1k', convert=False)
     img = torch.randint(0, 256, (3, 40, 48), dtype=torch.uint8)
