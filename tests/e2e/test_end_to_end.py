@@ -111,6 +111,7 @@ def test_apply_tta_builds_each_librarys_default():
     """The wrapped model and the flip pipeline of ``--tta`` per library; an mmseg config without
     them is an error (mmseg's tool has no default)."""
     import argparse
+    import copy
 
     from mmengine.config import Config
 
@@ -137,13 +138,14 @@ def test_apply_tta_builds_each_librarys_default():
             pytest.warns(UserWarning):
         apply_tta(masks, 'mmdet')
     seg = load_config(parse_with_common(parser, [
-        osp.join(CFG, 'polaformer/fpn_pola-pvt-t_8xb4-40k_ade20k-512x512.py')]))
-    assert seg.tta_model.type == 'SegTTAModel'  # from the stock bases: used as it is
+        osp.join(CFG, 'nalaformer/upernet_nalaformer-t_8xb2-160k_ade20k-512x512.py')]))
+    assert seg.tta_model.type == 'SegTTAModel'  # from the stock bases: used as they are
+    tta_pipeline = copy.deepcopy(seg.tta_pipeline)
     apply_tta(seg, 'mmseg')
     assert seg.model.type == 'SegTTAModel' and seg.model.module.type == 'EncoderDecoder'
-    seg = load_config(parse_with_common(parser, [
+    assert seg.test_dataloader.dataset.pipeline == tta_pipeline
+    seg = load_config(parse_with_common(parser, [  # the stock Semantic FPN bases have none
         osp.join(CFG, 'polaformer/fpn_pola-pvt-t_8xb4-40k_ade20k-512x512.py')]))
-    del seg['tta_pipeline']
     with pytest.raises(SystemExit, match='error: --tta needs tta_pipeline in the config'):
         apply_tta(seg, 'mmseg')
 
