@@ -95,7 +95,7 @@ def apply_tta(cfg, scope):
     missing = [k for k in ('tta_model', 'tta_pipeline') if k not in cfg]
     if missing and scope == 'mmseg':
         raise SystemExit(f'error: --tta needs {" and ".join(missing)} in the config (mmseg\'s '
-                         f'test tool has no default; the stock ADE20K dataset base defines one)')
+                         f'test tool has no default)')
     test_set = cfg.test_dataloader.dataset
     while 'dataset' in test_set:  # inside dataset wrappers
         test_set = test_set['dataset']
