@@ -9,16 +9,7 @@ fi
 CONFIG=$1
 NPROC=$2
 shift 2
-# The interpreter: $PYTHON if set; else the active virtual / conda environment's python; else
-# the project's .venv (made by tools/bootstrap.sh), whose python the other commands call.
-ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-if [ -z "${PYTHON:-}" ]; then
-    if [ -z "${VIRTUAL_ENV:-}${CONDA_PREFIX:-}" ] && [ -x "$ROOT/.venv/bin/python" ]; then
-        PYTHON="$ROOT/.venv/bin/python"
-    else
-        PYTHON=python
-    fi
-fi
+source "$(dirname "$0")/dist_python.sh"  # ROOT, PYTHON
 exec "$PYTHON" -m torch.distributed.run \
     --nnodes="${NNODES:-1}" --node_rank="${NODE_RANK:-0}" \
     --master_addr="${MASTER_ADDR:-127.0.0.1}" --master_port="${PORT:-29500}" \

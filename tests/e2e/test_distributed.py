@@ -81,7 +81,7 @@ def test_launch_scripts_pick_the_projects_environment(tmp_path, env_extra, want)
     root = tmp_path / 'repo'
     (root / 'tools').mkdir(parents=True)
     bindir = tmp_path / 'bin'
-    for script in ('dist_train.sh', 'dist_test.sh'):
+    for script in ('dist_train.sh', 'dist_test.sh', 'dist_python.sh'):
         shutil.copy(osp.join(REPO, 'tools', script), root / 'tools' / script)
     log = tmp_path / 'calls.txt'
 
