@@ -37,18 +37,19 @@ def load_config(args):
     launcher and the work dir (CLI, then the config's ``work_dir``, then ``work_dirs/<config
     name>``, with ``_demo`` appended under ``--demo``) applied."""
     from mmengine.config import Config
-    if not osp.isfile(args.config):
+    if osp.isfile(args.config):
+        cfg = Config.fromfile(args.config)
+    else:
         name = args.config
         if name.endswith('.py') or '/' in name or os.sep in name:
             raise SystemExit(f'error: no config file {name!r}')
         from linattn_mm.apis import get_config
-        try:  # a model-zoo name (linattn_mm.list_models()): its config file
+        try:  # a model-zoo name (linattn_mm.list_models()): its config file, read once
             cfg = get_config(name)
         except KeyError as e:
             raise SystemExit(f'error: no config file {name!r}, nor a model-zoo name: '
                              f'{e.args[0]}') from None
         args.config = cfg.filename
-    cfg = Config.fromfile(args.config)
     demo = getattr(args, 'demo', False)
     if demo:
         from linattn_mm.demo import DEMO_ROOT, apply_demo
