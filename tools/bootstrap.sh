@@ -10,7 +10,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${LINATTN_VENV:-$ROOT/.venv}"
 PY_BOOT="${PYTHON:-python3}"
-STACK="$(cat "$ROOT/tools/constraints.txt") torch===2.13.0 torchvision==0.28.0 setuptools<81 mmengine==0.10.7 mmcv==2.1.0 mmdet==3.3.0 mmsegmentation==1.2.2 mmpretrain==1.2.0 ftfy regex pytest click model-index colorama tabulate pandas requests openmim==0.3.9(no-deps)"
+STACK="$(cat "$ROOT/tools/constraints.txt") torch===2.13.0 torchvision==0.28.0 setuptools<81 mmengine==0.10.7 mmcv==2.1.0 mmdet==3.3.0 mmsegmentation==1.2.2 mmpretrain==1.2.0 ftfy regex pytest pytest-xdist==3.8.0 click model-index colorama tabulate pandas requests openmim==0.3.9(no-deps)"
 MARK="$VENV/.linattn_stack"
 
 log() { printf '[bootstrap %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
@@ -21,7 +21,7 @@ pip_install() {
     "${PIP[@]}" "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; } >&2
 }
 
-if [ -f "$MARK" ] && [ "$(cat "$MARK")" = "$STACK" ] && "$VENV/bin/python" -c "import linattn_mm, mmcv.ops, mmdet, mmseg, mmpretrain, mim" 2>/dev/null; then
+if [ -f "$MARK" ] && [ "$(cat "$MARK")" = "$STACK" ] && "$VENV/bin/python" -c "import linattn_mm, mmcv.ops, mmdet, mmseg, mmpretrain, mim, xdist" 2>/dev/null; then
     log "environment $VENV is complete; reusing it"
     echo "$VENV/bin/python"
     exit 0
@@ -73,8 +73,8 @@ else
     log "mmcv ready after $(( $(date +%s) - start )) s"
 fi
 
-log "step 5/5: mmdet 3.3.0, mmsegmentation 1.2.2, mmpretrain 1.2.0, test tools (pytest, openmim), linattn_mm (editable)"
-pip_install -q "mmdet==3.3.0" "mmsegmentation==1.2.2" "mmpretrain==1.2.0" ftfy regex pytest "torch===2.13.0"
+log "step 5/5: mmdet 3.3.0, mmsegmentation 1.2.2, mmpretrain 1.2.0, test tools (pytest, pytest-xdist, openmim), linattn_mm (editable)"
+pip_install -q "mmdet==3.3.0" "mmsegmentation==1.2.2" "mmpretrain==1.2.0" ftfy regex pytest "pytest-xdist==3.8.0" "torch===2.13.0"
 # openmim (tests/e2e/test_mim.py: `mim train/test mmdet CONFIG`) without its dependency chain: its
 # opendatalab -> openxlab requirement pins setuptools~=60.2, requests, rich, tqdm, filelock and
 # packaging to old versions. These are the packages mim imports (pip is there already).
