@@ -25,7 +25,14 @@ IN1K_VARIANTS = {
     'pvtv2-b1_in1k', 'pvtv2-b2_in1k', 'pvtv2-b3_in1k', 'pvtv2-b4_in1k', 'pvtv2-b5_in1k',
     'setformer-t_in1k', 'setformer-s_in1k', 'setformer-b_in1k', 'swin-s_in1k', 'swin-b_in1k',
 }
-TRAINED = [n for n in CONFIGS if n not in IN1K_VARIANTS]
+# A 3x-schedule config whose demo form is its 1x twin's: the demo overlay replaces the schedule
+# and the pipelines, and the two differ only in the top-level ``max_epochs`` variable the stock
+# schedule reads (test_demo_twins_are_the_same_run checks it). The twin trains; this one does not
+# train again.
+DEMO_TWINS = {f'mask-rcnn_{b}_fpn_ms-crop-3x_coco': f'mask-rcnn_{b}_fpn_1x_coco' for b in (
+    'deit-t', 'nalaformer-s', 'nalaformer-t', 'padre-pvt-t', 'padre-swin-t', 'pola-swin-t',
+    'pvt-t', 'pvtv2-b0', 'setformer-t', 'swin-t')}
+TRAINED = [n for n in CONFIGS if n not in IN1K_VARIANTS and n not in DEMO_TWINS]
 
 
 @pytest.mark.parametrize('name', TRAINED)
@@ -63,3 +70,13 @@ def test_in1k_variants_have_a_trained_relative():
         folder = osp.dirname(_zoo()[name])
         kin = [n for n in TRAINED if n.endswith('_in1k') and osp.dirname(_zoo()[n]) == folder]
         assert _skeleton_and_mixer(name) in {_skeleton_and_mixer(n) for n in kin}, (name, kin)
+
+
+def test_demo_twins_are_the_same_run():
+    """Each config of ``DEMO_TWINS`` has the same demo form as its trained twin, but for the
+    top-level ``max_epochs`` (36 against 12), which the overlay's schedule does not read."""
+    for name, twin in DEMO_TWINS.items():
+        assert name in CONFIGS and twin in TRAINED, (name, twin)
+        a, b = (demo_form(_zoo()[n]).to_dict() for n in (name, twin))
+        assert (a.pop('max_epochs'), b.pop('max_epochs')) == (36, 12), name
+        assert a == b, name

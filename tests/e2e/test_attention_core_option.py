@@ -6,7 +6,7 @@ import os.path as osp
 import re
 
 import pytest
-from harness import CONFIGS, run_tool, short_run_options
+from harness import CONFIGS, demo_form, run_tool, short_run_options
 from mmengine.config import Config
 
 import linattn_mm  # noqa: F401  (registers the backbones)
@@ -88,10 +88,15 @@ def test_train_tool_runs_with_the_named_core(demo_data, tmp_path):
      'with fused gates, 8 softmax mixers with a fused RoPE')])
 def test_train_tool_runs_with_the_fused_core(demo_data, tmp_path, config, mixers, blocks):
     # the fused cores (and NaLaFormer's fused conv sums and gates) through the tool: their Triton
-    # kernels in the interpreter on CPU, one Mask R-CNN iteration with finite losses
+    # kernels in the interpreter on CPU, one Mask R-CNN iteration with finite losses, on one
+    # image resized to 64 pixels (the interpreter runs each kernel instance in numpy, and its time
+    # grows with the tokens: at the demo's 160 pixels, two images took six minutes on 2 cores)
     pytest.importorskip('triton')
     cfg = osp.join(CONFIGS, config)
     train, _, _ = short_run_options(Config.fromfile(cfg))
+    assert demo_form(cfg).train_dataloader.dataset.pipeline[2].type == 'Resize'
+    train += ['train_dataloader.dataset.indices=1', 'train_dataloader.batch_size=1',
+              'train_dataloader.dataset.pipeline.2.scale=(64,64)']
     out = run_tool(['tools/train.py', cfg, '--demo', '--attn-core', 'fused', '--work-dir',
                     str(tmp_path / 'work'), '--cfg-options'] + train,
                    env=dict(TRITON_INTERPRET='1'))

@@ -135,7 +135,7 @@ def test_training_profile(tmp_path):
     assert argv[argv.index('--batch') + 1] == '8' and argv[argv.index('--dtype') + 1] == 'bf16'
     assert argv[argv.index('--impls') + 1:argv.index('--impls') + 3] == ['fast', 'fused']
     # the fused core's kernels run on CUDA: here the torch cores
-    out = run(override(argv, device='cpu', dtype='fp32', sizes='64x96', repeats='1',
+    out = run(override(argv, device='cpu', dtype='fp32', sizes='64x96', batch='1', repeats='1',
                        warmup='0', impls=['fast']), tmp_path)
     for name in ('swin-t | -', 'pola-swin-t | fast', 'nalaformer-t | fast', 'pvt-t | -',
                  'pola-pvt-t | fast'):
