@@ -4,8 +4,9 @@
 #
 # The tests run in parallel worker processes (pytest-xdist): one per core, at most 4, each with
 # an equal share of the cores as its torch / OpenMP threads (the tools the tests start inherit
-# it). LINATTN_TEST_WORKERS sets the number of workers; 0 (or pytest's own -n / -p no:xdist in
-# the arguments) runs the tests in this one process with torch's default threads.
+# it). LINATTN_TEST_WORKERS sets the number of workers; 0 runs the tests in this one process
+# with torch's default threads. With pytest's own -n or -p no:xdist among the arguments, those
+# decide and nothing is added.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

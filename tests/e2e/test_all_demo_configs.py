@@ -1,7 +1,8 @@
 """Every config of the model zoo, put on the demo data by the demo overlay (``--demo``), trains one
 iteration and tests with metrics, through tools/train.py and tools/test.py (run in this process to
 save start-up time); the ImageNet variants listed in ``IN1K_VARIANTS`` are built in their demo form
-and run forward instead."""
+and run forward instead, and the configs of ``DEMO_TWINS`` are checked to have their trained twin's
+demo form."""
 import os.path as osp
 
 import pytest
