@@ -145,12 +145,112 @@ NALA_NETWORK_FLOAT32_SHORTFALL = pytest.mark.xfail(
     'harness.NALA_NETWORK_FLOAT32_SHORTFALL')
 
 
-def run_tool(args, cwd=REPO, timeout=900, env=None):
-    """Run a tool script in a subprocess (``env``: variables to set there); return its output
-    (asserting success)."""
+class _ForkServer:
+    """The client of ``tests/forkserver.py``: one server per test process, started on first use
+    with the environment of the run, started again when a run asks for another environment (its
+    libraries were imported under the server's), stopped at exit."""
+
+    def __init__(self):
+        self.proc, self.env, self.failed = None, None, False
+
+    #: variables that change from test to test and that no preloaded library reads
+    VOLATILE = ('PYTEST_CURRENT_TEST',)
+
+    def _key(self, env):
+        return {k: v for k, v in env.items() if k not in self.VOLATILE}
+
+    def _start(self, env):
+        import tempfile
+        self.log = tempfile.TemporaryFile()
+        self.env = self._key(env)
+        self.proc = subprocess.Popen([sys.executable, osp.join(REPO, 'tests', 'forkserver.py')],
+                                     cwd=REPO, env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log)
+        self.pending = b''
+        import atexit
+        atexit.register(self.stop)
+        if not (self._reply(timeout=600) or {}).get('ready'):
+            self.stop()
+            self.failed = True
+
+    def _reply(self, timeout=None):
+        """The server's next reply (a dict; ``{}`` when it has exited), None after ``timeout``
+        seconds without one."""
+        import select
+        fd = self.proc.stdout.fileno()
+        while b'\n' not in self.pending:
+            if not select.select([fd], [], [], timeout)[0]:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return {}
+            self.pending += chunk
+        line, self.pending = self.pending.split(b'\n', 1)
+        return json.loads(line)
+
+    def stop(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        self.proc = None
+
+    def usable(self, args, env):
+        """Whether ``python ARGS`` with ``env`` can run here as in a fresh process: a script or
+        ``-m`` (interpreter options need an interpreter of their own), and a server for ``env``
+        (started if needed)."""
+        if os.environ.get('LINATTN_TEST_FORKSERVER', '1') == '0' or self.failed:
+            return False
+        if not args or (args[0].startswith('-') and args[0] != '-m'):
+            return False
+        if self.proc is not None and self._key(env) != self.env:
+            self.stop()
+        if self.proc is None:
+            self._start(env)
+        return not self.failed
+
+    def run(self, args, cwd, env, timeout):
+        import signal
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            paths = [osp.join(tmp, 'stdout'), osp.join(tmp, 'stderr')]
+            req = dict(argv=list(args), cwd=str(cwd), env=env, stdout=paths[0], stderr=paths[1])
+            self.proc.stdin.write((json.dumps(req) + '\n').encode())
+            self.proc.stdin.flush()
+            pid = self._reply().get('pid')
+            if pid is None:  # the server is gone: a bug of the harness, not of the tool
+                self.log.seek(0)
+                raise RuntimeError('tests/forkserver.py exited: '
+                                   + self.log.read()[-3000:].decode(errors='replace'))
+            done = self._reply(timeout)
+            if done is None:
+                os.kill(pid, signal.SIGKILL)
+                self._reply()
+                raise subprocess.TimeoutExpired([sys.executable] + list(args), timeout)
+            rc = done['rc']
+            out = [open(p, encoding='utf-8', errors='replace').read() for p in paths]
+        return subprocess.CompletedProcess([sys.executable] + list(args), rc, *out)
+
+
+_FORK_SERVER = _ForkServer()
+
+
+def run_python(args, cwd=REPO, timeout=900, env=None):
+    """``python ARGS`` as a fresh process would run it (``env``: variables to set there), its
+    output captured as text: a ``subprocess.CompletedProcess``. A tool script or module is forked
+    from ``tests/forkserver.py``, which has imported the large third-party libraries once
+    under the same environment (``LINATTN_TEST_FORKSERVER=0``: always a real subprocess, as for
+    interpreter options)."""
     env = dict(os.environ, PYTHONUNBUFFERED='1', **(env or {}))
-    res = subprocess.run([sys.executable] + args, cwd=cwd, capture_output=True, text=True,
-                         env=env, timeout=timeout)
+    if _FORK_SERVER.usable(args, env):
+        return _FORK_SERVER.run(args, cwd, env, timeout)
+    return subprocess.run([sys.executable] + list(args), cwd=cwd, capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def run_tool(args, cwd=REPO, timeout=900, env=None):
+    """Run a tool script as a fresh process (:func:`run_python`; ``env``: variables to set there);
+    return its output (asserting success)."""
+    res = run_python(args, cwd=cwd, timeout=timeout, env=env)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-5000:]
     return out

@@ -133,16 +133,14 @@ def test_pickled_code_needs_opt_in(tmp_path):
 def test_convert_checkpoint_tool(tmp_path):
     """tools/convert_checkpoint.py turns an official file into a tensors-only mmpretrain-style
     file that the stock mmengine prefix loader and our backbones both accept."""
-    import subprocess
-    import sys
+    from harness import run_python
     src = LinAttnPVT(arch='t')
     official = {k: v + 2 for k, v in src.state_dict().items()}
     official['head.weight'] = torch.randn(1000, 512)
     torch.save({'model': official, 'args': __import__('argparse').Namespace(lr=1e-3)},
                tmp_path / 'pvt.pth')
-    res = subprocess.run([sys.executable, 'tools/convert_checkpoint.py', str(tmp_path / 'pvt.pth'),
-                          str(tmp_path / 'out.pth'), '--model', 'pvt-t_in1k'],
-                         capture_output=True, text=True)
+    res = run_python(['tools/convert_checkpoint.py', str(tmp_path / 'pvt.pth'),
+                      str(tmp_path / 'out.pth'), '--model', 'pvt-t_in1k'])
     assert res.returncode == 0, res.stderr[-3000:]
     # the report, without mmengine's per-parameter init log (about 950 lines for this model)
     assert len(res.stdout.splitlines()) <= 6 and 'Initialized by' not in res.stdout, \
@@ -159,8 +157,8 @@ def test_convert_checkpoint_tool(tmp_path):
     m.init_weights()
     torch.testing.assert_close(m.state_dict()['block3.1.mlp.fc2.weight'],
                                official['block3.1.mlp.fc2.weight'])
-    res = subprocess.run([sys.executable, 'tools/convert_checkpoint.py', str(tmp_path / 'no.pth'),
-                          str(tmp_path / 'out2.pth')], capture_output=True, text=True)
+    res = run_python(['tools/convert_checkpoint.py', str(tmp_path / 'no.pth'),
+                      str(tmp_path / 'out2.pth')])
     assert res.returncode == 1 and 'Traceback' not in res.stderr
     assert f"error: no checkpoint file '{tmp_path / 'no.pth'}'" in res.stderr
 

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 
 import pytest
-from harness import CONFIGS, REPO, demo_form, metrics_of, short_run_options
+from harness import CONFIGS, REPO, demo_form, metrics_of, run_python, short_run_options
 
 TIMEOUT = 600  # seconds per command (the runs take 5-60 s on an idle 2-core machine)
 DOC_FILES = ['README.md', 'docs/*.md', 'docs/model_zoo/*.md']
@@ -433,10 +433,13 @@ class Shell:
 
     def __call__(self, cmd, argv, cwd=REPO, env=None):
         self.ran.append(cmd)
-        full_env = dict(os.environ, PYTHONUNBUFFERED='1', **(env or {}))
         t0 = time.time()
-        res = subprocess.run(argv, cwd=cwd, env=full_env, capture_output=True, text=True,
-                             timeout=TIMEOUT)
+        if argv[0] == sys.executable:  # as a fresh process (forked from the harness's server)
+            res = run_python(argv[1:], cwd=cwd, env=env, timeout=TIMEOUT)
+        else:
+            res = subprocess.run(argv, cwd=cwd, env=dict(os.environ, PYTHONUNBUFFERED='1',
+                                                         **(env or {})),
+                                 capture_output=True, text=True, timeout=TIMEOUT)
         out = res.stdout + res.stderr
         print(f'[{time.time() - t0:5.1f} s] {shlex.join(argv)}')
         assert res.returncode == 0, (

@@ -5,12 +5,10 @@ tests/e2e/test_all_demo_configs.py.)"""
 import glob
 import os.path as osp
 import re
-import subprocess
-import sys
 
 import pytest
 from harness import CONFIGS as CFG
-from harness import REPO, metrics_of, run_tool, short_run_options
+from harness import metrics_of, run_python, run_tool, short_run_options
 
 DET_SHORT = ['train_cfg.max_epochs=1', 'train_cfg.val_interval=1', 'train_dataloader.batch_size=2',
              'train_dataloader.dataset.indices=2', 'val_dataloader.dataset.indices=2']
@@ -157,23 +155,21 @@ def test_test_refuses_a_checkpoint_that_does_not_fit_the_config(demo_data, tmp_p
     warning; a checkpoint file that does not exist or is cut short is a one-line error before
     anything is built."""
     cfg, ckpt, test = _train_briefly('pvt/pvt-t_in1k.py', str(tmp_path / 'work'))
-    cmd = [sys.executable, 'tools/test.py', cfg, ckpt, '--demo', '--work-dir',
+    cmd = ['tools/test.py', cfg, ckpt, '--demo', '--work-dir',
            str(tmp_path / 'work'), '--cfg-options', 'model.backbone.arch=s'] + test
-    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    res = run_python(cmd)
     assert res.returncode == 1 and 'Traceback' not in res.stderr, res.stderr[-3000:]
     assert re.search(r"error: checkpoint '.*' does not fit the model of the config: \d+ of its "
                      r"\d+ parameters are missing \(e\.g\. 'backbone\.block1\.2\.", res.stderr)
-    res = subprocess.run(cmd + ['--partial-checkpoint'], cwd=REPO, capture_output=True, text=True)
+    res = run_python(cmd + ['--partial-checkpoint'])
     assert res.returncode == 0, res.stderr[-3000:]
     assert 'evaluating anyway (--partial-checkpoint)' in res.stdout + res.stderr
     assert 'accuracy/top1' in metrics_of(res.stdout + res.stderr)
-    res = subprocess.run([sys.executable, 'tools/test.py', cfg, str(tmp_path / 'no.pth')],
-                         cwd=REPO, capture_output=True, text=True)
+    res = run_python(['tools/test.py', cfg, str(tmp_path / 'no.pth')])
     assert res.returncode == 1
     assert res.stderr.strip().splitlines()[-1] == f"error: no checkpoint file '{tmp_path}/no.pth'"
     (tmp_path / 'cut.pth').write_bytes(open(ckpt, 'rb').read()[:4096])  # a download cut short
-    res = subprocess.run([sys.executable, 'tools/test.py', cfg, str(tmp_path / 'cut.pth')],
-                         cwd=REPO, capture_output=True, text=True)
+    res = run_python(['tools/test.py', cfg, str(tmp_path / 'cut.pth')])
     assert res.returncode == 1
     assert res.stderr.strip().splitlines()[-1] == (
         f"error: '{tmp_path}/cut.pth' (4096 bytes) is truncated or not a torch checkpoint "
