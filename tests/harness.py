@@ -146,32 +146,20 @@ NALA_NETWORK_FLOAT32_SHORTFALL = pytest.mark.xfail(
 
 
 class _ForkServer:
-    """The client of ``tests/forkserver.py``: one server per test process, started on first use
-    with the environment of the run, started again when a run asks for another environment (its
-    libraries were imported under the server's), stopped at exit."""
+    """One ``tests/forkserver.py`` process, started with the environment ``env``."""
 
-    def __init__(self):
-        self.proc, self.env, self.failed = None, None, False
-
-    #: variables that change from test to test and that no preloaded library reads
-    VOLATILE = ('PYTEST_CURRENT_TEST',)
-
-    def _key(self, env):
-        return {k: v for k, v in env.items() if k not in self.VOLATILE}
-
-    def _start(self, env):
+    def __init__(self, env):
+        import atexit
         import tempfile
+        self.env, self.pending = env, b''
         self.log = tempfile.TemporaryFile()
-        self.env = self._key(env)
         self.proc = subprocess.Popen([sys.executable, osp.join(REPO, 'tests', 'forkserver.py')],
                                      cwd=REPO, env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log)
-        self.pending = b''
-        import atexit
         atexit.register(self.stop)
-        if not (self._reply(timeout=600) or {}).get('ready'):
+        self.ready = bool((self._reply(timeout=600) or {}).get('ready'))
+        if not self.ready:
             self.stop()
-            self.failed = True
 
     def _reply(self, timeout=None):
         """The server's next reply (a dict; ``{}`` when it has exited), None after ``timeout``
@@ -189,24 +177,9 @@ class _ForkServer:
         return json.loads(line)
 
     def stop(self):
-        if self.proc is not None and self.proc.poll() is None:
+        if self.proc.poll() is None:
             self.proc.stdin.close()
             self.proc.wait(timeout=60)
-        self.proc = None
-
-    def usable(self, args, env):
-        """Whether ``python ARGS`` with ``env`` can run here as in a fresh process: a script or
-        ``-m`` (interpreter options need an interpreter of their own), and a server for ``env``
-        (started if needed)."""
-        if os.environ.get('LINATTN_TEST_FORKSERVER', '1') == '0' or self.failed:
-            return False
-        if not args or (args[0].startswith('-') and args[0] != '-m'):
-            return False
-        if self.proc is not None and self._key(env) != self.env:
-            self.stop()
-        if self.proc is None:
-            self._start(env)
-        return not self.failed
 
     def run(self, args, cwd, env, timeout):
         import signal
@@ -226,12 +199,46 @@ class _ForkServer:
                 os.kill(pid, signal.SIGKILL)
                 self._reply()
                 raise subprocess.TimeoutExpired([sys.executable] + list(args), timeout)
-            rc = done['rc']
             out = [open(p, encoding='utf-8', errors='replace').read() for p in paths]
-        return subprocess.CompletedProcess([sys.executable] + list(args), rc, *out)
+        return subprocess.CompletedProcess([sys.executable] + list(args), done['rc'], *out)
 
 
-_FORK_SERVER = _ForkServer()
+class _ForkServers:
+    """The servers of this test process, one per environment a run asked for (a server's
+    libraries were imported under its environment, and read some variables then), started on
+    first use, at most ``KEEP`` at a time (the least recently used stopped first), stopped at
+    exit."""
+
+    KEEP = 2
+    #: variables that change from test to test and that no preloaded library reads
+    VOLATILE = ('PYTEST_CURRENT_TEST',)
+
+    def __init__(self):
+        self.servers, self.failed = {}, False
+
+    def server(self, args, env):
+        """The server that runs ``python ARGS`` with ``env`` as a fresh process would, or None
+        for interpreter options (they need an interpreter of their own), with
+        ``LINATTN_TEST_FORKSERVER=0`` or where a server could not start."""
+        if os.environ.get('LINATTN_TEST_FORKSERVER', '1') == '0' or self.failed:
+            return None
+        if not args or (args[0].startswith('-') and args[0] != '-m'):
+            return None
+        key = json.dumps({k: v for k, v in env.items() if k not in self.VOLATILE},
+                         sort_keys=True)
+        server = self.servers.pop(key, None)
+        if server is None:
+            while len(self.servers) >= self.KEEP:
+                self.servers.pop(next(iter(self.servers))).stop()
+            server = _ForkServer(env)
+            if not server.ready:
+                self.failed = True
+                return None
+        self.servers[key] = server  # the most recently used last
+        return server
+
+
+_FORK_SERVERS = _ForkServers()
 
 
 def run_python(args, cwd=REPO, timeout=900, env=None):
@@ -241,8 +248,9 @@ def run_python(args, cwd=REPO, timeout=900, env=None):
     under the same environment (``LINATTN_TEST_FORKSERVER=0``: always a real subprocess, as for
     interpreter options)."""
     env = dict(os.environ, PYTHONUNBUFFERED='1', **(env or {}))
-    if _FORK_SERVER.usable(args, env):
-        return _FORK_SERVER.run(args, cwd, env, timeout)
+    server = _FORK_SERVERS.server(args, env)
+    if server is not None:
+        return server.run(args, cwd, env, timeout)
     return subprocess.run([sys.executable] + list(args), cwd=cwd, capture_output=True, text=True,
                           env=env, timeout=timeout)
 

@@ -3,6 +3,7 @@ iteration and tests with metrics, through tools/train.py and tools/test.py (run 
 save start-up time); the ImageNet variants listed in ``IN1K_VARIANTS`` are built in their demo form
 and run forward instead, and the configs of ``DEMO_TWINS`` are checked to have their trained twin's
 demo form."""
+import functools
 import os.path as osp
 
 import pytest
@@ -55,6 +56,7 @@ def test_in1k_variant_builds_and_runs(name):
     assert logits.shape == (2, 1000) and torch.isfinite(logits).all()  # ImageNet-1k classes
 
 
+@functools.lru_cache(maxsize=None)  # a config's demo form is read once (about 0.3 s each)
 def _skeleton_and_mixer(name):
     backbone = demo_form(_zoo()[name]).model.backbone
     attn = backbone.get('attn_cfg')

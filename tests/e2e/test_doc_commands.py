@@ -26,7 +26,10 @@ paths, sizes and budgets shrink:
 * benchmark / visualisation sizes and repeats reduced (values stated in each ``how``).
 
 Commands that depend on each other (train, then test its checkpoint) share one case; every other
-runnable command is a case of its own (ids: file:line).
+runnable command is a case of its own (ids: file:line). A ``python`` command runs as a fresh
+process forked from the harness's server, which has imported torch, mmengine and mmcv once
+(``harness.run_python``; ``LINATTN_TEST_FORKSERVER=0``: real subprocesses); ``bash`` and ``mim``
+commands run as they are.
 """
 import glob
 import os

@@ -8,7 +8,7 @@ import sys
 import textwrap
 
 import pytest
-from harness import _FORK_SERVER, run_python
+from harness import _FORK_SERVERS, run_python
 
 SCRIPT = textwrap.dedent('''\
     import atexit, os, sys, threading, time
@@ -66,7 +66,7 @@ def test_a_forked_run_is_a_fresh_process_run(scripts, how, monkeypatch):
     monkeypatch.setenv('PROBE_VALUE', 'from the environment')
     args = [str(root / 'tool.py'), how]
     forked = run_python(args, cwd=str(work))
-    assert _FORK_SERVER.proc is not None and not _FORK_SERVER.failed  # it was forked
+    assert _FORK_SERVERS.server(args, dict(os.environ, PYTHONUNBUFFERED='1')).ready  # forked
     real = _real(args, str(work), {})
     assert forked.returncode == real.returncode == {'ok': 0, 'code': 3, 'message': 1,
                                                     'raise': 1}[how]
@@ -94,15 +94,18 @@ def test_a_module_runs_as_with_dash_m(scripts):
 
 def test_an_environment_is_the_one_its_libraries_were_imported_under(scripts, tmp_path):
     """A run in another environment gets a server started in that environment (torch reads its
-    thread count when imported); interpreter options get a real process."""
+    thread count when imported), and the servers of the last two environments are kept;
+    interpreter options get a real process."""
     (tmp_path / 'threads.py').write_text('import torch\nprint(torch.get_num_threads())\n')
     args = [str(tmp_path / 'threads.py')]
-    for n in ('1', '2'):
+    env = {n: dict(os.environ, PYTHONUNBUFFERED='1', OMP_NUM_THREADS=n) for n in ('1', '2')}
+    servers = {}
+    for n in ('1', '2', '1'):
         forked = run_python(args, env=dict(OMP_NUM_THREADS=n))
-        assert _FORK_SERVER.env['OMP_NUM_THREADS'] == n
+        server = _FORK_SERVERS.server(args, env[n])  # the one that ran it: the last used
+        assert server.env['OMP_NUM_THREADS'] == n and servers.setdefault(n, server) is server
         assert forked.stdout == _real(args, None, dict(OMP_NUM_THREADS=n)).stdout == f'{n}\n'
-    env = dict(os.environ, PYTHONUNBUFFERED='1')
-    assert not _FORK_SERVER.usable(['-X', 'importtime'] + args, env)
+    assert _FORK_SERVERS.server(['-X', 'importtime'] + args, env['1']) is None
     res = run_python(['-X', 'importtime'] + args)
     assert res.returncode == 0 and 'import time:' in res.stderr
 

@@ -100,8 +100,11 @@ def test_whole_nalaformers_train_on_the_fused_blocks(interpreted):
         gates = interpreted[f'train NaLaFormer {name}, with_cp, fused blocks, core and gates']
         assert gates < max(1e-5, 1.5 * baseline), (name, gates, baseline)
         # and the softmax mixers' RoPE (ops.nala.rope_fused; the NaLa-everywhere layout has none)
-        rope = interpreted[f'train NaLaFormer {name}, with_cp, fused blocks, core, gates and RoPE']
-        assert rope < max(1e-5, 1.5 * baseline), (name, rope, baseline)
+        rope = f'train NaLaFormer {name}, with_cp, fused blocks, core, gates and RoPE'
+        if name == 'NaLa everywhere':
+            assert rope not in interpreted
+            continue
+        assert interpreted[rope] < max(1e-5, 1.5 * baseline), (name, interpreted[rope], baseline)
 
 
 def _block_step(blk, x):

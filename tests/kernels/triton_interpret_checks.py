@@ -559,9 +559,11 @@ def run_conv_sums(res):
         set_fused_gates(net, True)  # every mixer's gated output (softmax ones included)
         res[f'train NaLaFormer {name}, with_cp, fused blocks, core and gates'] = \
             train_vs_reference(copy.deepcopy(net), NormAwareLinearAttention, x, core='fused')
-        set_fused_rope(net, True)  # the softmax mixers' RoPE (the float64 copy: torch's)
-        res[f'train NaLaFormer {name}, with_cp, fused blocks, core, gates and RoPE'] = \
-            train_vs_reference(net, NormAwareLinearAttention, x, core='fused')
+        # the softmax mixers' RoPE (the float64 copy: torch's); the NaLa-everywhere layout has
+        # no softmax mixer, and its run would be the one above again
+        if set_fused_rope(net, True):
+            res[f'train NaLaFormer {name}, with_cp, fused blocks, core, gates and RoPE'] = \
+                train_vs_reference(net, NormAwareLinearAttention, x, core='fused')
 
 
 def norm_gate_step(fn, s, proj, lw, lb, w, b, grad, needs=(True, ) * 6, autocast=False):
