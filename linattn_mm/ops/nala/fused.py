@@ -135,7 +135,7 @@ if triton is not None:
             rows = start + off + tl.arange(0, BLOCK)
             m = (rows < L)[:, None] & dmask[None, :]
             y = _load_tile(Q, b, head, rows, rd, s_qb, s_qh, s_qn, s_qd, m)
-            qn, tanh, p, lu, a = _query_terms(y, lam)
+            qn, sech2, p, lu, a = _query_terms(y, lam)
             pos = tl.where(y > 0, a, 0.0)
             neg = tl.where(y < 0, a, 0.0)
             cs, sn = pos, pos  # unused without the RoPE
@@ -147,7 +147,7 @@ if triton is not None:
             dkm_neg += tl.sum(neg * dden[:, None], axis=0)
             dpos += dden[:, None] * km_pos[None, :]
             dneg += dden[:, None] * km_neg[None, :]
-            dq = _query_input_grad(y, qn, tanh, p, lu, a, dpos, dneg, lam)
+            dq = _query_input_grad(y, qn, sech2, p, lu, a, dpos, dneg, lam)
             tl.store(DQ + b * s_db + head * s_dh + rows[:, None] * s_dn + rd[None, :] * s_dd,
                      dq.to(DQ.dtype.element_ty), mask=m)
         part = DKM + (bh * tl.num_programs(1) + split) * 2 * DP + rd

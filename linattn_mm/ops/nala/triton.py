@@ -165,25 +165,32 @@ if triton is not None:
 
     @triton.jit
     def _query_terms(y, lam):
-        """Per row of a float32 tile: ``‖q‖`` (clamped at 1e-12), ``tanh(‖q‖)``, the power
-        ``p = lam (0.5 + tanh)``, ``log2|q| - log2‖q‖`` and ``a = |q / ‖q‖|^p``."""
+        """Per row of a float32 tile: ``‖q‖`` (clamped at 1e-12), ``1 - tanh²(‖q‖)``, the power
+        ``p = lam (0.5 + tanh)``, ``log2|q| - log2‖q‖`` and ``a = |q / ‖q‖|^p``.
+
+        With ``r = 1 / (exp(2‖q‖) + 1)``: ``tanh = 1 - 2r`` (the forward kernel's) and
+        ``1 - tanh² = 4r (1 - r)``, within 1e-7 of the exact value, relative, at every norm;
+        ``1 - tanh * tanh`` loses its digits where ``tanh`` nears 1 (in float32, 3.8e-6 off at
+        ``‖q‖ = 3``, 1.5e-4 at 5, 6 % at 8). The torch core takes ``cosh⁻²``. ``exp``
+        overflows to inf for large norms: ``r = 0``, ``tanh = 1``."""
         qn = tl.maximum(tl.sqrt(tl.sum(y * y, axis=1)), 1e-12)
-        tanh = 1.0 - 2.0 / (tl.exp(2.0 * qn) + 1.0)
-        p = lam * (0.5 + tanh)
+        r = 1.0 / (tl.exp(2.0 * qn) + 1.0)
+        p = lam * (0.5 + (1.0 - 2.0 * r))
         lu = tl.log2(tl.abs(y)) - tl.log2(qn)[:, None]
-        return qn, tanh, p, lu, tl.exp2(p[:, None] * lu)
+        return qn, 4.0 * r * (1.0 - r), p, lu, tl.exp2(p[:, None] * lu)
 
     @triton.jit
-    def _query_input_grad(y, qn, tanh, p, lu, a, dpos, dneg, lam):
+    def _query_input_grad(y, qn, sech2, p, lu, a, dpos, dneg, lam):
         """The gradient of a query tile ``y`` from those of its features ``relu(c)``,
-        ``relu(-c)`` (``dpos``, ``dneg``), with :func:`_query_terms`'s terms: through
-        ``|q / ||q|| |^p`` and the norm in ``p``, 0 at a zero element."""
+        ``relu(-c)`` (``dpos``, ``dneg``), with :func:`_query_terms`'s terms (``sech2`` is
+        ``1 - tanh²(‖q‖)``): through ``|q / ||q|| |^p`` and the norm in ``p``, 0 at a zero
+        element."""
         # G = da a; with u = q / ||q||, du u = G p per channel, and
         # dq = (du - u (du . u)) / ||q|| + dp lam (1 - tanh^2) u,  dp = ln 2 sum G log2|u|
         nz = y != 0
         ga = tl.where(y > 0, dpos, tl.where(y < 0, dneg, 0.0)) * a
         dp = tl.sum(tl.where(nz, ga * lu, 0.0), axis=1) * 0.6931471805599453
-        dqn = dp * lam * (1.0 - tanh * tanh)
+        dqn = dp * lam * sech2
         u = y / qn[:, None]
         return tl.where(nz, ga * p[:, None] / y, 0.0) + \
             u * ((dqn - p * tl.sum(ga, axis=1) / qn)[:, None])
@@ -224,7 +231,7 @@ if triton is not None:
             rm = start + off + tl.arange(0, BLOCK_M)
             m = (rm < N)[:, None] & dmask[None, :]
             y = _load_tile(Q, b, head, rm, rd, s_qb, s_qh, s_qn, s_qd, m)
-            qn, tanh, p, lu, a = _query_terms(y, lam)
+            qn, sech2, p, lu, a = _query_terms(y, lam)
             pos = tl.where(y > 0, a, 0.0)
             neg = tl.where(y < 0, a, 0.0)
             den = tl.sum(pos * km_pos[None, :] + neg * km_neg[None, :], axis=1) + eps
@@ -259,7 +266,7 @@ if triton is not None:
                 dw1 += tl.dot(tl.trans(neg), dnum, input_precision=PREC)
                 dpos += tl.dot(dnum, tl.trans(w0), input_precision=PREC)
                 dneg += tl.dot(dnum, tl.trans(w1), input_precision=PREC)
-            dq = _query_input_grad(y, qn, tanh, p, lu, a, dpos, dneg, lam)
+            dq = _query_input_grad(y, qn, sech2, p, lu, a, dpos, dneg, lam)
             tl.store(DQ + b * s_db + head * s_dh + rm[:, None] * s_dn + rd[None, :] * s_dd,
                      dq.to(DQ.dtype.element_ty), mask=m)
         part = bh * tl.num_programs(1) + split
