@@ -1,16 +1,16 @@
 """A process that imports the large third-party libraries once and forks a child for each run of a
 Python tool, so that a test running ``python tools/X.py ...`` does not pay their import again
 (torch, mmengine, mmcv, torchvision, matplotlib, pycocotools: about 8 s of CPU per process on a
-2-core machine, and the test suite starts a few hundred such processes).
+2-core machine; the doc commands alone start about sixty such processes).
 
 Used by ``harness.run_python``, which starts a server with the environment of the run (another
-server for another environment: the libraries read some variables when imported) and runs a real
-subprocess where a server cannot give the same run (interpreter options, a server that could not
-start); ``LINATTN_TEST_FORKSERVER=0`` turns it off. The child runs like
-``python SCRIPT ARGS`` (or ``python -m MODULE ARGS``): ``sys.argv``, ``sys.path[0]``, the working
-directory, the environment, stdin from /dev/null, stdout and stderr to the files of the request;
-an uncaught exception prints its traceback and exits 1, ``SystemExit`` exits as the interpreter
-does, threads are joined and atexit functions run before the child exits.
+server for another environment, the last two kept: the libraries read some variables when
+imported) and runs a real subprocess where a server cannot give the same run (interpreter
+options, a server that could not start); ``LINATTN_TEST_FORKSERVER=0`` turns it off. The child
+runs like ``python SCRIPT ARGS`` (or ``python -m MODULE ARGS``): ``sys.argv``, ``sys.path[0]``,
+the working directory, the environment, stdin from /dev/null, stdout and stderr to the files of
+the request; an uncaught exception prints its traceback and exits 1, ``SystemExit`` exits as the
+interpreter does, threads are joined and atexit functions run before the child exits.
 
 What it does not preload: mmdet, mmseg, mmpretrain and linattn_mm (their imports register models
 and transforms; a tool must import them itself, as it does on a user's machine). The server only
