@@ -1,13 +1,17 @@
 """The test harness: the repository's paths, running the tools (in a subprocess or in this
 process), short-run options for any config, the demo form of a config, spying on calls, and the
 check that a converted module refuses calls that are not inference calls."""
+import atexit
 import glob
 import json
 import os
 import os.path as osp
 import runpy
+import select
+import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -154,8 +158,6 @@ class _ForkServer:
     """One ``tests/forkserver.py`` process, started with the environment ``env``."""
 
     def __init__(self, env):
-        import atexit
-        import tempfile
         self.env, self.pending = env, b''
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen([sys.executable, osp.join(REPO, 'tests', 'forkserver.py')],
@@ -169,7 +171,6 @@ class _ForkServer:
     def _reply(self, timeout=None):
         """The server's next reply (a dict; ``{}`` when it has exited), None after ``timeout``
         seconds without one."""
-        import select
         fd = self.proc.stdout.fileno()
         while b'\n' not in self.pending:
             if not select.select([fd], [], [], timeout)[0]:
@@ -187,8 +188,6 @@ class _ForkServer:
             self.proc.wait(timeout=60)
 
     def run(self, args, cwd, env, timeout):
-        import signal
-        import tempfile
         with tempfile.TemporaryDirectory() as tmp:
             paths = [osp.join(tmp, 'stdout'), osp.join(tmp, 'stderr')]
             req = dict(argv=list(args), cwd=str(cwd), env=env, stdout=paths[0], stderr=paths[1])
