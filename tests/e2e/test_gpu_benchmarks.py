@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from harness import REPO, run_python
 
 SCRIPT = 'tools/gpu_benchmarks.sh'
 PARTS = ['tests', 'train_fused', 'pola_core', 'nala_core', 'pola_core64', 'nala_core64',
@@ -52,8 +53,11 @@ def override(argv, **values):
 
 
 def run(argv, tmp_path):
+    """A part's command (the script's ``$PYTHON``, this interpreter, on a tool), forked as the
+    doc commands' tools are (``harness.run_python``)."""
     argv = override(argv, json=str(tmp_path / 'out.json'))
-    res = subprocess.run(argv, capture_output=True, text=True)
+    assert argv[0] == sys.executable, argv
+    res = run_python(argv[1:], cwd=REPO)
     out = res.stdout + res.stderr
     assert res.returncode == 0 and 'FAILED' not in out, out[-3000:]
     assert (tmp_path / 'out.json').stat().st_size > 0
