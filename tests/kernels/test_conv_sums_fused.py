@@ -25,7 +25,7 @@ def interpreted():
     return triton_interpret_checks('conv-fused')
 
 
-@pytest.mark.slow  # the interpreter: about 35 s for all
+@pytest.mark.slow  # the interpreter: about 3.5 min of CPU for all
 def test_the_kernel_is_the_window_sum(interpreted):
     # channels-last and NCHW maps, 3x3 and 5x5 kernels, with and without bias, flipped (the conv's
     # input gradient) and times gelu'(pre): float32 within 1e-6 of the float64 formula
@@ -36,7 +36,7 @@ def test_the_kernel_is_the_window_sum(interpreted):
         assert err < 1e-6, (name, err)
 
 
-@pytest.mark.slow  # the interpreter: about 35 s for all
+@pytest.mark.slow  # the interpreter: about 3.5 min of CPU for all
 def test_the_kernel_rounds_as_autocast_runs_the_conv(interpreted):
     # the conv in bf16 (input, weights, bias and output rounded to nearest) and the sum rounded
     # to its dtype: a bf16 map, and a float32 map (the CPE's) whose sum stays float32; the
@@ -50,7 +50,7 @@ def test_the_kernel_rounds_as_autocast_runs_the_conv(interpreted):
     assert interpreted['conv_sum NaN: NaNs in the sum'] >= 3
 
 
-@pytest.mark.slow  # the interpreter: about 35 s for all
+@pytest.mark.slow  # the interpreter: about 3.5 min of CPU for all
 def test_convffn_and_cpe_gradients_equal_plain_autograd(interpreted):
     # output and the gradients of the input and every parameter (LayerNorm, fc1, the depth-wise
     # conv, fc2; the CPE's weight and bias), float32 against the modules in float64
@@ -60,7 +60,7 @@ def test_convffn_and_cpe_gradients_equal_plain_autograd(interpreted):
         assert err < 1e-5, (name, err)
 
 
-@pytest.mark.slow  # the interpreter: about 35 s for all
+@pytest.mark.slow  # the interpreter: about 3.5 min of CPU for all
 def test_the_residual_sums_backward_equals_the_formula(interpreted):
     # x + b * f with a layer scale (1, C, 1, 1) or a per-image factor (B, C, 1, 1), b
     # channels-last or NCHW, one chunk of tokens or many, maps whose H and W do not merge and
@@ -74,7 +74,7 @@ def test_the_residual_sums_backward_equals_the_formula(interpreted):
     assert interpreted['drop path block fp32: fused against default'] < 1e-5
 
 
-@pytest.mark.slow  # the interpreter: about 35 s for all
+@pytest.mark.slow  # the interpreter: about 3.5 min of CPU for all
 def test_a_block_under_bf16_autocast_computes_what_its_default_form_does(interpreted):
     # a NaLaFormer block under CPU autocast: the fused conv sums round where the plain conv and
     # add do; the CPEs' weight and bias gradients are summed in float32 (the plain form's come
@@ -84,7 +84,7 @@ def test_a_block_under_bf16_autocast_computes_what_its_default_form_does(interpr
         assert interpreted[f'bf16 block: gradients {part}'] <= BF16_ULP, part
 
 
-@pytest.mark.slow  # the interpreter: about 35 s for all
+@pytest.mark.slow  # the interpreter: about 3.5 min of CPU for all
 @NALA_NETWORK_FLOAT32_SHORTFALL
 def test_whole_nalaformers_train_on_the_fused_blocks(interpreted):
     # the released layout and NaLa in every stage, activation checkpointing: the fused blocks

@@ -83,33 +83,39 @@ if triton is not None:
         rw = tl.program_id(1) * BW + tl.arange(0, BW)
         rc = tl.program_id(2) * BC + tl.arange(0, BC)
         cm = rc < C
+        cm2 = cm[None, :]
         xb = X + b * s_xb
+        tile = rw[:, None] * s_xw + rc[None, :] * s_xc  # the tile's offsets in a row
+        wc = Wt + rc * (K * K)  # each channel's K x K taps
         acc = tl.zeros((BW, BC), dtype=tl.float32)
-        for i in tl.static_range(K):
+        for i in tl.static_range(K):  # the taps in the conv's order: rows, then columns
             yy = y + (i - K // 2)
+            row = xb + yy * s_xh + tile
+            row_in = (yy >= 0) & (yy < H)
             for j in tl.static_range(K):
                 xx = rw + (j - K // 2)
-                m = ((xx >= 0) & (xx < Wd))[:, None] & cm[None, :] & (yy >= 0) & (yy < H)
-                t = tl.load(xb + yy * s_xh + xx[:, None] * s_xw + rc[None, :] * s_xc, mask=m,
-                            other=0.0).to(tl.float32)
+                m = ((xx >= 0) & (xx < Wd))[:, None] & cm2 & row_in
+                t = tl.load(row + (j - K // 2) * s_xw, mask=m, other=0.0).to(tl.float32)
+                if ROUND != 0:  # (a call less per tap in Triton's interpreter)
+                    t = _round(t, ROUND)
                 if FLIP:
                     tap = (K - 1 - i) * K + (K - 1 - j)
                 else:
                     tap = i * K + j
-                w = tl.load(Wt + rc * (K * K) + tap, mask=cm, other=0.0).to(tl.float32)
-                acc += _round(t, ROUND) * w[None, :]
+                acc += t * tl.load(wc + tap, mask=cm, other=0.0).to(tl.float32)[None, :]
         if HAS_BIAS:
             acc += tl.load(Bias + rc, mask=cm, other=0.0).to(tl.float32)[None, :]
-        acc = _round(acc, ROUND)
-        mo = (rw < Wd)[:, None] & cm[None, :]
-        center = tl.load(xb + y * s_xh + rw[:, None] * s_xw + rc[None, :] * s_xc, mask=mo,
-                         other=0.0).to(tl.float32)
+        if ROUND != 0:
+            acc = _round(acc, ROUND)
+        mo = (rw < Wd)[:, None] & cm2
+        center = tl.load(xb + y * s_xh + tile, mask=mo, other=0.0).to(tl.float32)
         out = b * s_zb + y * s_zh + rw[:, None] * s_zw + rc[None, :] * s_zc
         if COPY:  # the conv's input as autocast casts it (the weight gradient reads it)
             tl.store(XC + out, _round(center, ROUND).to(XC.dtype.element_ty), mask=mo)
         z = center + acc
         if GELU_GRAD:  # z * gelu'(pre), gelu'(p) = Phi(p) + p phi(p)
-            z = _round(z, ROUND)
+            if ROUND != 0:
+                z = _round(z, ROUND)
             p = tl.load(PRE + b * s_pb + y * s_ph + rw[:, None] * s_pw + rc[None, :] * s_pc,
                         mask=mo, other=0.0).to(tl.float32)
             z = z * (0.5 * (1.0 + tl.math.erf(p * 0.7071067811865476))
