@@ -16,7 +16,8 @@ import linattn_mm
 
 # what setup.py reads; copying only these keeps the build off the repository (no build/ or
 # egg-info there) and away from data/ and work_dirs/
-SOURCES = ['setup.py', 'MANIFEST.in', 'README.md', 'CHANGELOG.md', 'linattn_mm', 'configs']
+SOURCES = ['setup.py', 'MANIFEST.in', 'README.md', 'CHANGELOG.md', 'LICENSE', 'linattn_mm',
+           'configs']
 
 
 def _config_files():
@@ -80,6 +81,7 @@ def test_wheel_built_from_the_sdist_ships_every_config(sdist, tmp_path):
                 if n.startswith(f'{top}/configs/') and n.endswith('.py')}
     assert in_sdist == {f for f in _config_files() if f.endswith('.py')}
     assert f'{top}/CHANGELOG.md' in names and not any('__pycache__' in n for n in names)
+    assert f'{top}/LICENSE' in names  # setup.py's license, Apache-2.0: its text
     _assert_ships_every_config(_pip_wheel(sdist, tmp_path, tmp_path))
 
 
@@ -100,6 +102,11 @@ def _assert_ships_every_config(wheel):
                                        f'{missing[:20]}; {len(extra)} unexpected: {extra[:20]}')
     assert 'linattn_mm/__init__.py' in names
     assert any(re.fullmatch(r'linattn_mm-[^/]+\.dist-info/METADATA', n) for n in names)
+    license_text = [n for n in names
+                    if re.fullmatch(r'linattn_mm-[^/]+\.dist-info/(licenses/)?LICENSE', n)]
+    assert license_text, 'the wheel carries no LICENSE'
+    with zipfile.ZipFile(wheel) as zf:
+        assert 'Apache License' in zf.read(license_text[0]).decode()
 
 
 PROBE = r'''
