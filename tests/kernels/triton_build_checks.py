@@ -1,9 +1,15 @@
 """Compile the Triton kernels of the Pola and NaLa cores for a CUDA architecture, without a GPU.
 
 Run as a script (by ``tests/kernels/test_triton_build.py``, in a subprocess): ``ARCH LIMIT
-[spills]``, a compute capability (90, 80, 86), the shared memory per program of such a GPU in bytes
+[spills]``, a compute capability (90, 80), the shared memory per program of such a GPU in bytes
 and, with ``spills``, the bytes each kernel spills to local memory as ``ptxas -v`` reports them
-(the kernel's PTX assembled again for that GPU by the ``ptxas`` Triton ships). Triton's
+(the kernel's PTX assembled again for that GPU by the ``ptxas`` Triton ships). ``LIMIT`` may be
+several limits, comma-separated: the cases run once per limit, in that order, the stage fitting
+started afresh each time and the kernels already compiled taken from Triton's cache (their
+compile seconds then about 0); one JSON list is printed per limit, a line each. The tests compile
+Ampere's kernels once, for ``sm_80``, and fit them to the A100's 163 KB and to the 99 KB of the
+``sm_86`` cards: Triton generates the same code for both (compiled for each, version 0.6.20's
+kernels took the same shared memory at the same stages in every launch). Triton's
 active driver is replaced by one that names that GPU as its target and launches nothing, so every
 kernel goes through Triton's real compiler and ``ptxas`` for it; :func:`launch_fitted` fits the
 pipeline stages to ``LIMIT`` as on that GPU. Each core runs forward and backward on CPU tensors of
@@ -38,7 +44,7 @@ except ImportError as e:  # pragma: no cover - depends on the Triton version
     print(json.dumps({'unsupported': f'this Triton has no {e.name}'}))
     sys.exit(0)
 
-ARCH, LIMIT = int(sys.argv[1]), int(sys.argv[2])
+ARCH, LIMITS = int(sys.argv[1]), [int(v) for v in sys.argv[2].split(',')]
 SPILLS = sys.argv[3:] == ['spills']
 
 
@@ -115,7 +121,6 @@ def main():
     JITFunction.run = _compile_only
     import linattn_mm.ops.dispatch as dispatch
     dispatch._interpreting = lambda: True  # the cores' device checks accept CPU tensors
-    dispatch._stage_limit = lambda device: LIMIT
     from linattn_mm.ops.nala.triton import nala_attention_triton
     from linattn_mm.models.backbones.nalaformer import ConvFFN
     from linattn_mm.ops.ffn.fused import ConvResidualFused, ScaledAddFused, conv_ffn_branch_fused
@@ -215,17 +220,21 @@ def main():
     # projection under autocast), a small one in float32
     cases['fused rope d64 bf16'] = (rope, 64, torch.bfloat16, None)
     cases['fused rope d16 fp32'] = (rope, 16, torch.float32, None)
-    results = []
-    for case, (fn, d, dtype, flag) in cases.items():
-        del LAUNCHED[:]
-        _COMPILING[0] = 0.0  # not the compilations of a case that raised before its launch
-        try:
-            with dispatch.triton_dot_precision('tf32x3' if case.endswith('tf32x3') else 'ieee'):
-                fn(d, dtype, flag).float().sum().backward()
-        except RuntimeError as e:
-            results.append([case, 'error', str(e)])
-        results += [[case, *launch] for launch in LAUNCHED]
-    print(json.dumps(results))
+    for limit in LIMITS:
+        dispatch._stage_limit = lambda device: limit
+        dispatch._FITTED_STAGES.clear()  # each launch fitted to this limit
+        results = []
+        for case, (fn, d, dtype, flag) in cases.items():
+            del LAUNCHED[:]
+            _COMPILING[0] = 0.0  # not the compilations of a case that raised before its launch
+            try:
+                with dispatch.triton_dot_precision('tf32x3' if case.endswith('tf32x3') else
+                                                   'ieee'):
+                    fn(d, dtype, flag).float().sum().backward()
+            except RuntimeError as e:
+                results.append([case, 'error', str(e)])
+            results += [[case, *launch] for launch in LAUNCHED]
+        print(json.dumps(results), flush=True)
 
 
 if __name__ == '__main__':
