@@ -12,10 +12,10 @@ the working directory, the environment, stdin from /dev/null, stdout and stderr 
 the request; an uncaught exception prints its traceback and exits 1, ``SystemExit`` exits as the
 interpreter does, threads are joined and atexit functions run before the child exits.
 
-Before it serves, the server also does mmengine's repeated lookups once (``tests/lookups.py``: the
-metafiles of the ``mmdet::`` / ``mmseg::`` / ``mmpretrain::`` bases, the environment report of a
-runner) and freezes the objects alive then out of the garbage collector's scans, so that every
-child finds them done.
+Before it serves, the server also parses the metafiles mmengine reads to resolve the
+``mmdet::`` / ``mmseg::`` / ``mmpretrain::`` bases of a config, once (``tests/lookups.py``), and
+freezes the objects alive then out of the garbage collector's scans, so that every child finds
+them done.
 
 What it does not preload: mmdet, mmseg, mmpretrain and linattn_mm (their imports register models
 and transforms; a tool must import them itself, as it does on a user's machine). The server only
@@ -123,7 +123,7 @@ def main():
         if _threads() != before and name not in BLAS_POOLS:
             replies.write(json.dumps({'unavailable': f'importing {name} started a thread'}) + '\n')
             return
-    # mmengine's config and environment lookups done once here for every child (tests/lookups.py),
+    # mmengine's config lookups done once here for every child (tests/lookups.py),
     # and the objects alive now left out of the children's garbage collections
     from lookups import keep_config_and_env_lookups
     before = _threads()

@@ -8,15 +8,17 @@ while the installed packages do not, and the tests install none into the environ
   reloading ``pkg_resources`` (80 ms). The metafiles are now parsed once per process and the
   installed packages remembered.
 - A runner's environment report (``collect_env``: compilers, CUDA, the libraries' build
-  information; about 0.3 s, with ``gcc`` run in a subprocess) is made once per process.
+  information; about 0.3 s, with ``gcc`` run in a subprocess) is made once per process (in a
+  pytest worker; each tool a fork server forks makes its own).
 
 Configs, runners and their logs are the same as without these: only the repetition goes."""
 import functools
 
 
 def keep_config_and_env_lookups(warm=False):
-    """Keep the lookups above in this process. ``warm``: do them now (a fork server, so that every
-    tool it forks finds them done)."""
+    """Keep the lookups above in this process. ``warm``: do the metafiles' now (a fork server, so
+    that every tool it forks finds them done). The environment report is not made ahead: it asks
+    torch for the GPUs, and a process that has initialised CUDA cannot fork a child that uses it."""
     from mmengine.config import config as mm_config
     from mmengine.config import utils as cfg_utils
     from mmengine.runner import runner as mm_runner
@@ -54,4 +56,3 @@ def keep_config_and_env_lookups(warm=False):
                     cfg_utils._get_cfg_metainfo(get_installed_path(package), '')
                 except ValueError:
                     pass
-        mm_runner.collect_env()
