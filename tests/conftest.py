@@ -11,15 +11,13 @@ from harness import REPO, drop_checkpoints
 from lookups import keep_config_and_env_lookups
 
 
-def pytest_configure(config):
-    keep_config_and_env_lookups()
-
-
 def pytest_collection_finish(session):
-    """The objects alive after collection (the imported libraries, mostly) are frozen out of the
-    garbage collector's scans: a full collection (mmengine's datasets run one per dataset built)
-    then walks only what the tests made (0.43 s a scan in a worker that had trained a few
-    configs, before)."""
+    """In a process that runs tests (a worker, not pytest-xdist's controller, which collects
+    nothing): mmengine's repeated lookups kept, then the objects alive (the imported libraries,
+    mostly) frozen out of the garbage collector's scans, so that a full collection (mmengine's
+    datasets run one per dataset built) walks only what the tests made (0.43 s a scan in a worker
+    that had trained a few configs, before)."""
+    keep_config_and_env_lookups()
     gc.collect()
     gc.freeze()
 
