@@ -4,6 +4,7 @@ check that a converted module refuses calls that are not inference calls."""
 import atexit
 import glob
 import json
+import math
 import os
 import os.path as osp
 import runpy
@@ -133,6 +134,31 @@ def assert_nala_network_step(results):
         f'{name}: relative error {err:.3g} (torch core: {baseline:.3g})'
 
 
+def assert_nala_calls_in_situ(results, core):
+    """The ``in situ call ...`` entries of the same checks: each NaLa core call of the network
+    step above (four, one per stage), on the inputs and the upstream gradient it got in the
+    float32 network, run by ``core`` (``'triton'`` or ``'fused'``), by the torch core and by
+    the float32 reference core, each against the float64 oracle (the largest relative error over
+    the output and the gradients of q, k, v). The kernel's error is within 4e-6 at every call
+    (over nine input images the three float32 cores all stayed under 3e-6), and over the calls
+    its geometric mean ratio to the larger of the torch core's and the float32 reference's is at
+    most 1.5 (nine images: 0.71 for the Triton core, 0.86 for the fused core; single calls
+    0.2-2.5x, the luck of rounding at this size)."""
+    calls = {}
+    for key, err in results.items():
+        if key.startswith('in situ call '):
+            i, name = key[len('in situ call '):].split(': ')
+            calls.setdefault(int(i), {})[name] = err
+    assert sorted(calls) == [0, 1, 2, 3], sorted(calls)
+    logs = []
+    for i, errs in sorted(calls.items()):
+        assert set(errs) == {core, 'fast', 'reference'}, errs
+        assert errs[core] < 4e-6, f'call {i}: {core} core relative error {errs[core]:.3g}'
+        logs.append(math.log(errs[core] / max(errs['fast'], errs['reference'])))
+    ratio = math.exp(sum(logs) / len(logs))
+    assert ratio <= 1.5, f'{core} core: geometric mean error ratio {ratio:.3g} over the calls'
+
+
 #: A known shortfall of the whole-network checks of the NaLa Triton kernels (the Triton and fused
 #: cores, and the fused conv sums of NaLaFormer blocks), run by Triton's interpreter: whole
 #: NaLaFormers' float32 training steps miss their bounds on AVX2 CPUs and meet them on AVX-512
@@ -147,9 +173,14 @@ def assert_nala_network_step(results):
 #: the torch core's (Triton core), 0.7-3.6x (fused core), and 0.5-3.3x for the float32 reference
 #: core itself: one image's 1.5x bound tests the conditioning of the step more than the kernels.
 #: Against the larger of the two float32 errors (torch core, reference core) of the same image
-#: the Triton core's is 0.42-1.31x (median 0.78), the fused core's 0.47-3.6x (median 0.99). Not
-#: explained yet: on one of the eight images the fused core's error (9.4e-5) is spread over
-#: stages 3-4 and the patch embedding, not one cancelling sum. Not strict: AVX-512 CPUs pass.
+#: the Triton core's is 0.42-1.31x (median 0.78), the fused core's 0.47-3.6x (median 0.99). The
+#: 3.6x (9.4e-5, one image) is the network, not the kernel: on that image's own NaLa calls (their
+#: inputs and upstream gradients in the float32 network) the fused core is 0.54-0.93x the torch
+#: core's error, and random relative perturbations of 1e-7 at the cores' inputs, outputs and
+#: gradients (below the cores' own float32 error, 3e-7 to 3e-6) give that image's network errors
+#: of 2.6e-5 to 1.0e-4 over eight draws (3e-7: 4.0e-5 to 9.2e-5). What the kernels add is checked
+#: where the network calls them (:func:`assert_nala_calls_in_situ`). Not strict: AVX-512 CPUs
+#: pass.
 NALA_NETWORK_FLOAT32_SHORTFALL = pytest.mark.xfail(
     strict=False, reason='NaLa Triton kernels: a whole NaLaFormer\'s float32 error misses its '
     'bound on AVX2 CPUs (up to 3x the torch core\'s, 1.5x asserted; the float32 reference core '

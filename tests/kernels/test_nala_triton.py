@@ -12,9 +12,9 @@ from linattn_mm import deploy
 from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d
 from linattn_mm.ops.dispatch import _interpreting, triton_available
 from oracles.nala import nala_reference_core
-from harness import (NALA_NETWORK_FLOAT32_SHORTFALL, assert_nala_core_grads,
-                     assert_nala_module_steps, assert_nala_network_step, record_calls,
-                     triton_interpret_checks)
+from harness import (NALA_NETWORK_FLOAT32_SHORTFALL, assert_nala_calls_in_situ,
+                     assert_nala_core_grads, assert_nala_module_steps, assert_nala_network_step,
+                     record_calls, triton_interpret_checks)
 
 pytestmark = pytest.mark.skipif(nt.triton is None, reason='Triton is not installed')
 
@@ -91,6 +91,15 @@ def test_interpreted_network_step_is_as_accurate_as_the_torch_core(interpreted_g
     # error of the same network on the default torch core (about 1.1e-5: LayerNorm and bias
     # gradients summed over the tokens)
     assert_nala_network_step(interpreted_grads)
+
+
+def test_interpreted_core_in_the_network_is_as_accurate_as_the_torch_core(interpreted_grads):
+    # the same network step's four NaLa core calls, each on the inputs and the upstream gradient
+    # it got in the float32 network: the Triton core against the float64 oracle within 4e-6 at
+    # every call, and over the calls no less accurate than the torch core and the float32
+    # reference core (geometric mean error ratio <= 1.5): the kernels where the network uses
+    # them, without the network's amplification of rounding
+    assert_nala_calls_in_situ(interpreted_grads, 'triton')
 
 
 def test_module_options_are_checked():

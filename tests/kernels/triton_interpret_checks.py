@@ -20,6 +20,7 @@ from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d
 from linattn_mm.models.attentions.pola import PolaLinearAttention
 from linattn_mm.models.backbones import LinAttnSwin
 from linattn_mm.models.backbones.nalaformer import NaLaFormer
+from linattn_mm.ops.nala import nala_attention
 from linattn_mm.ops.nala.fused import nala_attention_fused
 from linattn_mm.ops.nala.triton import nala_attention_triton
 from linattn_mm.ops.pola.reference import polarity_attention_reference as polarity_attention
@@ -285,6 +286,53 @@ def _nala_core(fused):
     return functools.partial(nala_attention_triton, out_dtype=torch.float32)
 
 
+def nala_in_situ(net, x, core):
+    """The NaLa core calls of a float32 training step of ``net`` (every mixer on the torch core,
+    activation checkpointing off), each on its own inputs and the gradient its output got: per
+    call, the largest relative error over the output and the gradients of q, k, v against the
+    float64 oracle on the same inputs, for ``core`` (``'triton'`` or ``'fused'``), the torch core
+    (``'fast'``) and the float32 reference core. A list of dicts, one per call, in order."""
+    import linattn_mm.models.attentions.nala as nala_module
+    net = copy.deepcopy(net)
+    for m in net.modules():
+        if isinstance(m, NormAwareLinearAttention):
+            m.core = 'fast'
+        if hasattr(m, 'with_cp'):
+            m.with_cp = False
+    calls, run = [], nala_module.nala_attention
+
+    def capture(q, k, v, power, eps, sin, cos, *args, **kwargs):
+        out = run(q, k, v, power, eps, sin, cos, *args, **kwargs)
+        call = dict(args=[t.detach().clone() for t in (q, k, v)], power=power, eps=eps,
+                    rope=None if sin is None else (sin.detach(), cos.detach()))
+        out.register_hook(lambda g: call.update(grad=g.detach().clone()))
+        calls.append(call)
+        return out
+
+    nala_module.nala_attention = capture
+    try:
+        outs = net(x.clone().requires_grad_())
+    finally:
+        nala_module.nala_attention = run
+    g = torch.Generator().manual_seed(0)  # the loss of train_vs_reference
+    sum((o * torch.randn(o.shape, generator=g)).sum() for o in outs).backward()
+    found = []
+    for call in calls:
+        ref = [t.double().requires_grad_() for t in call['args']]
+        rope = call['rope'] and tuple(t.double() for t in call['rope'])
+        want = nala_reference_core(*ref, call['power'], call['eps'], rope)
+        want = [want.detach(), *torch.autograd.grad(want, ref, call['grad'].double())]
+        errs = {}
+        for name in (core, 'fast', 'reference'):
+            leaves = [t.clone().requires_grad_() for t in call['args']]
+            sin, cos = call['rope'] or (None, None)
+            out = nala_attention(*leaves, call['power'], call['eps'], sin, cos, core=name)
+            got = [out.detach(), *torch.autograd.grad(out, leaves, call['grad'])]
+            errs[name] = max(rel(a, b) for a, b in zip(got, want))
+        found.append(errs)
+    return found
+
+
 def run_nala_grads(res, fused=False):
     """The NaLa Triton forward and backward (``fused``: the fused core's) against plain autograd
     of the float64 reference core on the same (rounded) inputs (q, k, v get their gradients in
@@ -350,6 +398,10 @@ def run_nala_grads(res, fused=False):
         copy.deepcopy(net), NormAwareLinearAttention, x, core='fast')
     res['train NaLaFormer backbone, with_cp'] = train_vs_reference(
         net, NormAwareLinearAttention, x, core='fused' if fused else 'triton')
+    # the same step's NaLa core calls, each on its own inputs and upstream gradient
+    for i, errs in enumerate(nala_in_situ(net, x, 'fused' if fused else 'triton')):
+        for name, err in errs.items():
+            res[f'in situ call {i}: {name}'] = err
 
 
 def _shifted_sum(x, w, flip=False):
