@@ -19,17 +19,33 @@ def read_version():
     return scope['__version__']
 
 
-class BuildWithConfigs(build_py):
-    """Copy ``configs/`` into the built package as ``linattn_mm/.mim/configs`` (from the
-    source tree, or from an sdist, which carries them through MANIFEST.in)."""
+#: what a built package carries under linattn_mm/.mim/tools (linattn_mm.tools.TOOLS and
+#: LAUNCHERS, which tests/e2e/test_packaging.py compares with the wheel)
+SHIPPED_TOOLS = ['train.py', 'test.py', 'benchmark.py', 'get_flops.py', 'convert_checkpoint.py',
+                 'make_demo_data.py', 'browse_dataset.py', 'visualize_attention.py',
+                 'dist_train.sh', 'dist_test.sh', 'dist_python.sh']
+
+
+class BuildWithMimFiles(build_py):
+    """Copy ``configs/`` into the built package as ``linattn_mm/.mim/configs``, and the user
+    tools of ``tools/`` as ``linattn_mm/.mim/tools`` (from the source tree, or from an sdist,
+    which carries them through MANIFEST.in): OpenMMLab's layout, which ``python -m
+    linattn_mm.tools`` and ``mim`` run them from."""
 
     def run(self):
         super().run()
+        mim = os.path.join(self.build_lib, 'linattn_mm', '.mim')
         src = os.path.join(HERE, 'configs')
-        dst = os.path.join(self.build_lib, 'linattn_mm', '.mim', 'configs')
+        dst = os.path.join(mim, 'configs')
         if os.path.isdir(src):
             shutil.rmtree(dst, ignore_errors=True)
             shutil.copytree(src, dst, ignore=shutil.ignore_patterns('__pycache__', '*.py[cod]'))
+        dst = os.path.join(mim, 'tools')
+        if os.path.isdir(os.path.join(HERE, 'tools')):
+            shutil.rmtree(dst, ignore_errors=True)
+            os.makedirs(dst)
+            for name in SHIPPED_TOOLS:
+                shutil.copy2(os.path.join(HERE, 'tools', name), os.path.join(dst, name))
 
 
 setup(
@@ -57,7 +73,8 @@ setup(
         'setuptools<81',
     ],
     extras_require={'tests': ['pytest']},
-    cmdclass={'build_py': BuildWithConfigs},
+    cmdclass={'build_py': BuildWithMimFiles},
+    entry_points={'console_scripts': ['linattn-mm = linattn_mm.tools:main']},
     license='Apache-2.0',
     zip_safe=False,
 )

@@ -1,6 +1,7 @@
-"""The built wheel: it ships every config as ``linattn_mm/.mim/configs``, the installed package
-finds them there (not in a source checkout), and its metadata version is ``__version__``.
-Also: the newest CHANGELOG.md entry is the package version."""
+"""The built wheel: it ships every config as ``linattn_mm/.mim/configs`` and the user tools as
+``linattn_mm/.mim/tools``, the installed package finds them there (not in a source checkout), and
+its metadata version is ``__version__``. Also: the newest CHANGELOG.md entry is the package
+version."""
 import os
 import os.path as osp
 import re
@@ -13,11 +14,14 @@ import pytest
 from harness import CONFIGS, REPO
 
 import linattn_mm
+from linattn_mm.tools import LAUNCHERS, TOOLS
 
 # what setup.py reads; copying only these keeps the build off the repository (no build/ or
 # egg-info there) and away from data/ and work_dirs/
 SOURCES = ['setup.py', 'MANIFEST.in', 'README.md', 'CHANGELOG.md', 'LICENSE', 'linattn_mm',
-           'configs']
+           'configs', 'tools']
+#: the files of tools/ a built package carries as linattn_mm/.mim/tools
+SHIPPED_TOOLS = sorted([f'{name}.py' for name in TOOLS] + list(LAUNCHERS))
 
 
 def _config_files():
@@ -82,6 +86,9 @@ def test_wheel_built_from_the_sdist_ships_every_config(sdist, tmp_path):
     assert in_sdist == {f for f in _config_files() if f.endswith('.py')}
     assert f'{top}/CHANGELOG.md' in names and not any('__pycache__' in n for n in names)
     assert f'{top}/LICENSE' in names  # setup.py's license, Apache-2.0: its text
+    # the user tools, not the repository's maintenance scripts
+    assert sorted(n[len(f'{top}/tools/'):] for n in names
+                  if n.startswith(f'{top}/tools/')) == SHIPPED_TOOLS
     _assert_ships_every_config(_pip_wheel(sdist, tmp_path, tmp_path))
 
 
@@ -107,6 +114,18 @@ def _assert_ships_every_config(wheel):
     assert license_text, 'the wheel carries no LICENSE'
     with zipfile.ZipFile(wheel) as zf:
         assert 'Apache License' in zf.read(license_text[0]).decode()
+        # the user tools as they are in tools/, and the console script that runs them
+        prefix = 'linattn_mm/.mim/tools/'
+        tools = sorted(n[len(prefix):] for n in names if n.startswith(prefix))
+        assert tools == SHIPPED_TOOLS, tools
+        for name in tools:
+            with open(osp.join(REPO, 'tools', name), 'rb') as f:
+                assert zf.read(prefix + name) == f.read(), name
+        entry_points = [n for n in names
+                        if re.fullmatch(r'linattn_mm-[^/]+\.dist-info/entry_points\.txt', n)]
+        assert entry_points, 'the wheel declares no console script'
+        text = zf.read(entry_points[0]).decode()
+        assert re.search(r'^linattn-mm\s*=\s*linattn_mm\.tools:main$', text, flags=re.M), text
 
 
 PROBE = r'''
@@ -156,6 +175,41 @@ def test_unpacked_wheel_finds_its_configs_and_version(wheel, tmp_path):
     assert info['demo_root'] == 'data/demo/coco/'  # the demo overlay works from the wheel
     assert inside(info['dist_path']), info
     assert info['dist_version'] == info['version'] == linattn_mm.__version__
+
+
+TOOL_PROBE = r'''
+import json, sys
+from linattn_mm.tools import main, tool_path, tools_dir
+print(json.dumps(dict(tools=tools_dir(), train=tool_path('train'))))
+sys.exit(main(['make_demo_data', '--root', 'demo', '--tasks', 'imagenet']))
+'''
+
+
+def test_unpacked_wheel_runs_its_tools(wheel, tmp_path):
+    # python -m linattn_mm.tools TOOL (the console script linattn-mm calls the same main) runs the
+    # tools the wheel ships, away from any checkout: the demo data made where the user stands,
+    # and the train tool's arguments
+    site = tmp_path / 'site'
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(site)
+    cwd = tmp_path / 'elsewhere'
+    cwd.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
+    env['PYTHONPATH'] = str(site)
+    res = subprocess.run([sys.executable, '-c', TOOL_PROBE], cwd=str(cwd), env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
+    import json
+    info = json.loads(res.stdout.strip().splitlines()[0])
+    tools = osp.join(osp.realpath(site), 'linattn_mm', '.mim', 'tools')
+    assert osp.realpath(info['tools']) == tools, info
+    assert osp.realpath(info['train']) == osp.join(tools, 'train.py'), info
+    meta = cwd / 'demo' / 'imagenet' / 'meta'
+    assert (meta / 'train.txt').is_file() and (meta / 'val.txt').is_file(), os.listdir(cwd)
+    res = subprocess.run([sys.executable, '-m', 'linattn_mm.tools', 'train', '--help'],
+                         cwd=str(cwd), env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
+    assert res.stdout.startswith('usage: train.py') and '--attn-core' in res.stdout, res.stdout
 
 
 def test_changelog_newest_version_is_package_version():

@@ -226,3 +226,34 @@ def test_get_model_fills_a_detectors_backbone_from_a_classifiers_file(tmp_path):
     again = get_model('mask-rcnn_pola-pvt-t_fpn_1x_coco', pretrained=str(tmp_path / 'det.pth'),
                       convert=False)
     assert set(again.load_report.loaded) == set(det.state_dict())
+
+
+def test_the_tools_module_names_the_shipped_tools_and_refuses_others(capsys, monkeypatch):
+    """``python -m linattn_mm.tools`` / ``linattn-mm``: the tools it runs are the files setup.py
+    ships as ``.mim/tools``; in a checkout they come from ``tools/``; a wrong name is refused with
+    the list, and ``train --help`` is the train tool's own help."""
+    import ast
+    import os.path as osp
+
+    from linattn_mm import tools
+    repo = osp.dirname(osp.dirname(osp.abspath(linattn_mm.__file__)))
+    with open(osp.join(repo, 'setup.py')) as f:
+        shipped = next(ast.literal_eval(node.value) for node in ast.parse(f.read()).body
+                       if isinstance(node, ast.Assign) and node.targets[0].id == 'SHIPPED_TOOLS')
+    assert sorted(shipped) == sorted([f'{n}.py' for n in tools.TOOLS] + list(tools.LAUNCHERS))
+    assert all(osp.isfile(osp.join(repo, 'tools', name)) for name in shipped)
+    assert tools.tools_dir() == osp.join(repo, 'tools')
+    assert tools.tool_path('test.py') == osp.join(repo, 'tools', 'test.py')
+    with pytest.raises(ValueError, match=r"no tool named 'learning_check'; the tools are train, "
+                                         r"test, benchmark"):
+        tools.tool_path('learning_check')
+    assert tools.main(['trian', 'x.py']) == 2
+    err = capsys.readouterr().err
+    assert "no tool named 'trian'" in err and 'usage: python -m linattn_mm.tools TOOL' in err
+    assert tools.main([]) == 2 and 'make_demo_data' in capsys.readouterr().err
+    monkeypatch.setattr(sys, 'argv', list(sys.argv))
+    with pytest.raises(SystemExit) as done:
+        tools.main(['train', '--help'])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith('usage: train.py') and '--attn-core' in out and '--demo' in out
