@@ -147,21 +147,31 @@ print(json.dumps(dict(
 '''
 
 
-def test_unpacked_wheel_finds_its_configs_and_version(wheel, tmp_path):
+def _unpacked(wheel, tmp_path):
+    """The wheel unpacked into ``tmp_path/site``, an empty working folder and the environment
+    of a process that imports it: the unpacked wheel first on sys.path (the editable install's
+    path hooks of the venv stay behind it), the repository neither the cwd nor on PYTHONPATH."""
     site = tmp_path / 'site'
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(site)
     cwd = tmp_path / 'elsewhere'
     cwd.mkdir()
-    # the unpacked wheel first on sys.path; the editable install's path hooks of the venv stay
-    # behind it, and the repository itself is neither the cwd nor on PYTHONPATH
     env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
     env['PYTHONPATH'] = str(site)
-    res = subprocess.run([sys.executable, '-c', PROBE], cwd=str(cwd), env=env,
-                         capture_output=True, text=True, timeout=300)
+    return site, cwd, env
+
+
+def _run(args, cwd, env):
+    res = subprocess.run([sys.executable, *args], cwd=str(cwd), env=env, capture_output=True,
+                         text=True, timeout=300)
     assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
+    return res.stdout
+
+
+def test_unpacked_wheel_finds_its_configs_and_version(wheel, tmp_path):
+    site, cwd, env = _unpacked(wheel, tmp_path)
     import json
-    info = json.loads(res.stdout.strip().splitlines()[-1])
+    info = json.loads(_run(['-c', PROBE], cwd, env).strip().splitlines()[-1])
     site_s = osp.realpath(site)
 
     def inside(path):
@@ -189,27 +199,16 @@ def test_unpacked_wheel_runs_its_tools(wheel, tmp_path):
     # python -m linattn_mm.tools TOOL (the console script linattn-mm calls the same main) runs the
     # tools the wheel ships, away from any checkout: the demo data made where the user stands,
     # and the train tool's arguments
-    site = tmp_path / 'site'
-    with zipfile.ZipFile(wheel) as zf:
-        zf.extractall(site)
-    cwd = tmp_path / 'elsewhere'
-    cwd.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
-    env['PYTHONPATH'] = str(site)
-    res = subprocess.run([sys.executable, '-c', TOOL_PROBE], cwd=str(cwd), env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
+    site, cwd, env = _unpacked(wheel, tmp_path)
     import json
-    info = json.loads(res.stdout.strip().splitlines()[0])
+    info = json.loads(_run(['-c', TOOL_PROBE], cwd, env).strip().splitlines()[0])
     tools = osp.join(osp.realpath(site), 'linattn_mm', '.mim', 'tools')
     assert osp.realpath(info['tools']) == tools, info
     assert osp.realpath(info['train']) == osp.join(tools, 'train.py'), info
     meta = cwd / 'demo' / 'imagenet' / 'meta'
     assert (meta / 'train.txt').is_file() and (meta / 'val.txt').is_file(), os.listdir(cwd)
-    res = subprocess.run([sys.executable, '-m', 'linattn_mm.tools', 'train', '--help'],
-                         cwd=str(cwd), env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
-    assert res.stdout.startswith('usage: train.py') and '--attn-core' in res.stdout, res.stdout
+    usage = _run(['-m', 'linattn_mm.tools', 'train', '--help'], cwd, env)
+    assert usage.startswith('usage: train.py') and '--attn-core' in usage, usage
 
 
 def test_changelog_newest_version_is_package_version():
