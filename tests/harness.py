@@ -184,8 +184,9 @@ def assert_nala_calls_in_situ(results, core):
 #: 1.9e-5 against 4.4e-6, the first LayerNorm's and CPE's biases), and as much with only the
 #: fused core's forward output put into the default form (the Triton core's: the same);
 #: Gaussian noise of 7e-8 to 1.5e-7 of the output's largest value on that output gives errors
-#: of 2.7e-6 to 3.4e-5 there, most of the effect from the map's last row. What the kernels add is checked where the network calls them
-#: (:func:`assert_nala_calls_in_situ`). Not strict: AVX-512 CPUs pass.
+#: of 2.7e-6 to 3.4e-5 there, most of the effect from the map's last row. What the kernels add
+#: is checked where the network calls them (:func:`assert_nala_calls_in_situ`). Not strict:
+#: AVX-512 CPUs pass.
 NALA_NETWORK_FLOAT32_SHORTFALL = pytest.mark.xfail(
     strict=False, reason='NaLa Triton kernels: a whole NaLaFormer\'s float32 error misses its '
     'bound on AVX2 CPUs (up to 3x the torch core\'s, 1.5x asserted; the float32 reference core '
