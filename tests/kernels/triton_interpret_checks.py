@@ -189,6 +189,13 @@ def run_core_grads(res, fused=False):
                 res[f'outdtype {name}: {names[j]}'] = diff.item()
 
 
+def loss_weights(outs):
+    """The fixed random tensors (float32, on CPU) the checks' training steps multiply their
+    outputs by: the loss is ``sum((out * w).sum())``."""
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(o.shape, generator=g) for o in outs]
+
+
 def train_vs_reference(net, mixer_cls, *inputs, core='triton'):
     """Largest relative error over the output, the input's gradient and every parameter's
     gradient of a training step of ``net`` (float32, every ``mixer_cls`` on ``core``, the Triton
@@ -212,8 +219,7 @@ def train_vs_reference(net, mixer_cls, *inputs, core='triton'):
         outs = model(x, *inputs[1:])
         outs = [outs] if torch.is_tensor(outs) else list(outs)
         if weights is None:
-            g = torch.Generator().manual_seed(0)
-            weights = [torch.randn(o.shape, generator=g) for o in outs]
+            weights = loss_weights(outs)
         loss = sum((o * w.to(o.device, cast)).sum() for o, w in zip(outs, weights))
         loss.backward()
         errs.append((outs, x.grad, {k: p.grad for k, p in model.named_parameters()
@@ -314,8 +320,7 @@ def nala_in_situ(net, x, core):
         outs = net(x.clone().requires_grad_())
     finally:
         nala_module.nala_attention = run
-    g = torch.Generator().manual_seed(0)  # the loss of train_vs_reference
-    sum((o * torch.randn(o.shape, generator=g)).sum() for o in outs).backward()
+    sum((o * w).sum() for o, w in zip(outs, loss_weights(outs))).backward()
     found = []
     for call in calls:
         ref = [t.double().requires_grad_() for t in call['args']]
