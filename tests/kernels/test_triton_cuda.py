@@ -250,29 +250,41 @@ def test_conv_sums_on_cuda(layout, dtype, C):
 
 
 def test_nalaformer_trains_on_cuda_with_fused_blocks(monkeypatch):
-    """A training step of the released NaLaFormer layout on the fused blocks (their conv sums as
-    Triton kernels) and the fused NaLa core, then with every mixer's fused gated output too, then
-    with the softmax mixers' fused RoPE, against the float64 reference forms: each within the
-    float32 error of the same step in the default forms (or 1e-5)."""
+    """Training steps of the released NaLaFormer layout, four random nets and inputs, on the
+    fused blocks (their conv sums as Triton kernels) and the fused NaLa core, then with every
+    mixer's fused gated output too, then with the softmax mixers' fused RoPE, against the float64
+    reference forms: each form's error, summed over the draws, within 1.5x the float32 error of
+    the same steps in the default forms (or 1e-5 a draw).
+
+    The sum, not each draw: the network amplifies float32 rounding (harness
+    ``NALA_NETWORK_FLOAT32_SHORTFALL``), and on a GPU one draw's error also varies from run to
+    run (atomic adds, cuDNN's choice of kernels): on an H200 the same draw's default-form error
+    was 1.03e-5 in one run and 1.39e-5 in another, and the fused forms' errors ranged 0.64-1.60x
+    the default forms' over four draws, 0.85-1.11x summed. Each fused kernel has its own strict
+    test on CUDA above and below."""
     from linattn_mm.models.attentions.nala import set_fused_gates, set_fused_rope
     from linattn_mm.models.backbones.nalaformer import set_fused_blocks
     monkeypatch.setattr(torch.backends.cudnn, 'allow_tf32', False)
     monkeypatch.setattr(torch.backends.cuda.matmul, 'allow_tf32', False)
-    torch.manual_seed(0)
-    net = NaLaFormer(arch=dict(embed_dims=[32, 64, 64, 64], depths=[1, 1, 1, 1],
-                               num_heads=[1, 2, 2, 2], mlp_ratios=[2, 2, 2, 2]),
-                     drop_path_rate=0., norm_eval=True).cuda().train()
-    x = torch.randn(2, 3, 4 * GRID[0], 4 * GRID[1], device='cuda')
-    baseline = train_vs_reference(copy.deepcopy(net), NormAwareLinearAttention, x, core='fast')
-    assert set_fused_blocks(net, True) == 4
-    err = train_vs_reference(copy.deepcopy(net), NormAwareLinearAttention, x, core='fused')
-    assert err < max(1e-5, 1.5 * baseline), (err, baseline)
-    assert set_fused_gates(net, True) == 4  # the NaLa and softmax mixers' gated output
-    err = train_vs_reference(copy.deepcopy(net), NormAwareLinearAttention, x, core='fused')
-    assert err < max(1e-5, 1.5 * baseline), (err, baseline)
-    assert set_fused_rope(net, True) == 2  # the softmax mixers of stages 3-4
-    err = train_vs_reference(net, NormAwareLinearAttention, x, core='fused')
-    assert err < max(1e-5, 1.5 * baseline), (err, baseline)
+    sums = torch.zeros(4, dtype=torch.float64)  # the default forms, then the three fused stages
+    draws = 4
+    for draw in range(draws):
+        torch.manual_seed(draw)
+        net = NaLaFormer(arch=dict(embed_dims=[32, 64, 64, 64], depths=[1, 1, 1, 1],
+                                   num_heads=[1, 2, 2, 2], mlp_ratios=[2, 2, 2, 2]),
+                         drop_path_rate=0., norm_eval=True).cuda().train()
+        x = torch.randn(2, 3, 4 * GRID[0], 4 * GRID[1], device='cuda')
+        sums[0] += train_vs_reference(copy.deepcopy(net), NormAwareLinearAttention, x,
+                                      core='fast')
+        assert set_fused_blocks(net, True) == 4
+        sums[1] += train_vs_reference(copy.deepcopy(net), NormAwareLinearAttention, x,
+                                      core='fused')
+        assert set_fused_gates(net, True) == 4  # the NaLa and softmax mixers' gated output
+        sums[2] += train_vs_reference(copy.deepcopy(net), NormAwareLinearAttention, x,
+                                      core='fused')
+        assert set_fused_rope(net, True) == 2  # the softmax mixers of stages 3-4
+        sums[3] += train_vs_reference(net, NormAwareLinearAttention, x, core='fused')
+    assert (sums[1:] < torch.clamp(1.5 * sums[0], min=1e-5 * draws)).all(), sums
 
 
 @pytest.mark.parametrize('dtype', ['fp32', 'bf16'])
@@ -319,32 +331,42 @@ def test_rope_on_cuda(dtype):
 
 @pytest.mark.parametrize('C', [64, 512])
 def test_norm_gate_on_cuda(monkeypatch, C):
-    """NaLa's gated output with its LayerNorm and gate fused (ops.nala.gate_fused) on CUDA:
-    float32 against float64 plain autograd (output and every gradient) within 1e-5; under bf16
-    autocast the output within a unit of bf16 (relative to its largest) of the torch form's and
-    every gradient within 1.05x the torch form's error against float64."""
+    """NaLa's gated output with its LayerNorm and gate fused (ops.nala.gate_fused) on CUDA, six
+    random draws: float32 against float64 plain autograd (output and every gradient) within 1e-5
+    in each; under bf16 autocast the output within a unit of bf16 (relative to its largest) of
+    the torch form's in each, and every gradient's error against float64, summed over the draws,
+    within 1.05x the torch form's.
+
+    The sum, not each draw: in bf16 which form lands nearer float64 in one draw is luck (on an
+    H200 the fused form's error ranged 0.65-1.12x the torch form's over twelve draws per
+    gradient, 0.85x on average); summed over draws the comparison is about the forms, not the
+    rounding of one draw."""
     from linattn_mm.ops.lean_layers import NormGatedLinear
     from linattn_mm.ops.nala.gate_fused import NormGatedLinearFused
     monkeypatch.setattr(torch.backends.cuda.matmul, 'allow_tf32', False)
-    g0 = seeded('norm_gate', C)
     B, N = 2, GRID[0] * GRID[1]
-    s = torch.randn(B, N, C, device='cuda', generator=g0) * 3 + 1
-    proj = torch.randn(B, N, 4 * C, device='cuda', generator=g0) * 2  # g: C of its channels
-    lw, lb = (torch.randn(C, device='cuda', generator=g0) for _ in range(2))
-    w = torch.randn(C, C, device='cuda', generator=g0) / C ** 0.5
-    b = torch.randn(C, device='cuda', generator=g0)
-    grad = torch.randn(B, N, C, device='cuda', generator=g0)
+    sums = torch.zeros(2, 6, dtype=torch.float64)  # fused, torch form: each gradient's errors
+    for draw in range(6):
+        g0 = seeded('norm_gate', C, draw)
+        s = torch.randn(B, N, C, device='cuda', generator=g0) * 3 + 1
+        proj = torch.randn(B, N, 4 * C, device='cuda', generator=g0) * 2  # g: C of its channels
+        lw, lb = (torch.randn(C, device='cuda', generator=g0) for _ in range(2))
+        w = torch.randn(C, C, device='cuda', generator=g0) / C ** 0.5
+        b = torch.randn(C, device='cuda', generator=g0)
+        grad = torch.randn(B, N, C, device='cuda', generator=g0)
 
-    args = (s, proj, lw, lb, w, b, grad)
-    want = norm_gate_step(None, *(t.double() for t in args))
-    for got, ref in zip(norm_gate_step(NormGatedLinearFused, *args), want):
-        assert rel(got, ref) < 1e-5
-    half = (s, proj.bfloat16(), lw, lb, w, b, grad)  # g as the projection gives it under autocast
-    fused = norm_gate_step(NormGatedLinearFused, *half, autocast=True)
-    plain = norm_gate_step(NormGatedLinear, *half, autocast=True)
-    assert rel(fused[0], plain[0]) <= 2 ** -7
-    for a, p, ref in zip(fused[1:], plain[1:], want[1:]):
-        assert rel(a, ref) <= 1.05 * rel(p, ref) + 1e-6
+        args = (s, proj, lw, lb, w, b, grad)
+        want = norm_gate_step(None, *(t.double() for t in args))
+        for got, ref in zip(norm_gate_step(NormGatedLinearFused, *args), want):
+            assert rel(got, ref) < 1e-5
+        half = (s, proj.bfloat16(), lw, lb, w, b, grad)  # g as the projection gives it, autocast
+        fused = norm_gate_step(NormGatedLinearFused, *half, autocast=True)
+        plain = norm_gate_step(NormGatedLinear, *half, autocast=True)
+        assert rel(fused[0], plain[0]) <= 2 ** -7
+        for i, (a, p, ref) in enumerate(zip(fused[1:], plain[1:], want[1:])):
+            sums[0, i] += rel(a, ref)
+            sums[1, i] += rel(p, ref)
+    assert (sums[0] <= 1.05 * sums[1] + 1e-6).all(), sums
 
 
 def _converted_vs_reference(net, mixer_cls, x, monkeypatch):
