@@ -7,8 +7,10 @@
 #   bash tools/gpu_benchmarks.sh --print [PART ...]   # print the commands, run nothing
 #
 # Parts (in this order; each writes OUT_DIR/PART.log, the benchmarks also OUT_DIR/PART.json):
-#   tests         the CUDA tests: the Triton cores compiled and checked against the float64
-#                 reference, the CUDA training forms, autocast, the inference conversion
+#   tests         the CUDA tests (every test of tests/kernels and tests/models with "cuda" in
+#                 its name): the Triton cores and the fused cores' kernels compiled and checked
+#                 against the float64 reference, the CUDA training forms, autocast, the
+#                 inference conversion
 #   train_fused   the question of 0.6.13-0.6.14 in a few minutes: training steps at 800×1344,
 #                 bf16 autocast, batch 8, of Pola-Swin-T, NaLaFormer-T and Pola-PVT-T on the torch
 #                 and the fused cores (NaLaFormer's blocks with their fused conv sums) against the
@@ -63,10 +65,8 @@ part_command() {
     local out="$1" part="$2"
     case "$part" in
         tests)
-            printf '%s\n' "$PY" -m pytest -q -p no:cacheprovider \
-                tests/kernels/test_triton_cuda.py tests/kernels/test_training_forms.py \
-                tests/kernels/test_triton_fallback.py tests/models/test_amp.py \
-                tests/models/test_deploy.py ;;
+            printf '%s\n' "$PY" -m pytest -q -p no:cacheprovider -rfE -k cuda \
+                tests/kernels tests/models ;;
         pola_core|nala_core)
             printf '%s\n' "$PY" tools/benchmark.py --mode core --attn "${part%_core}" --backward \
                 "${GPU[@]}" --dtype bf16 --grid 128x128 256x256 --batch 8 \

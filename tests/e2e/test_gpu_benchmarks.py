@@ -70,8 +70,10 @@ def test_parts_and_their_commands():
     for part, argv in cmds.items():
         assert argv[0] == sys.executable, (part, argv)
         if part == 'tests':
-            files = [a for a in argv if a.startswith('tests/')]
-            assert len(files) == 5 and all(os.path.isfile(f) for f in files), files
+            folders = [a for a in argv if a.startswith('tests/')]
+            assert folders == ['tests/kernels', 'tests/models'], argv
+            assert all(os.path.isdir(os.path.join(REPO, f)) for f in folders), folders
+            assert argv[argv.index('-k') + 1] == 'cuda', argv  # the CUDA tests of both folders
         else:  # every benchmark on the GPU, each writing its JSON file into the output folder
             assert argv[1] == 'tools/benchmark.py' and '--device' in argv, argv
             assert argv[argv.index('--device') + 1] == 'cuda'
