@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from linattn_mm.ops.common import autocast_on, no_autocast
 from linattn_mm.utils import OperationCounter
@@ -94,7 +95,11 @@ def _run(device, dtype):
                 torch.set_autocast_dtype('cuda', dtype)
                 torch.autocast_increment_nesting()
                 try:
-                    outs = _zoo(*args)
+                    # attention as meta decomposes it: on a machine with a GPU, fake CUDA
+                    # tensors would pick that GPU's fused kernel (cuDNN's on an H200), a choice
+                    # of backend, not of autocast's casts
+                    with sdpa_kernel(SDPBackend.MATH):
+                        outs = _zoo(*args)
                 finally:
                     torch.set_autocast_enabled('cuda', False)
                     if torch.autocast_decrement_nesting() == 0:
