@@ -15,6 +15,9 @@
 #                 bf16 autocast, batch 8, of Pola-Swin-T, NaLaFormer-T and Pola-PVT-T on the torch
 #                 and the fused cores (NaLaFormer's blocks with their fused conv sums) against the
 #                 stock Swin-T and PVT-T (fewer rounds than train_b8)
+#   profile_fused where the time of the fused forms' steps goes, in a minute or two: three bf16
+#                 training steps at batch 8 of NaLaFormer-T and Pola-Swin-T on the fused forms
+#                 under torch.profiler (their Triton kernels by name)
 #   pola_core     the Pola core alone, forward and backward, bf16, 128² and 256² tokens, batch 8:
 #                 Triton (its products in float32 and on the tensor cores, tf32x3; and its
 #                 gradient passes launched as up to 0.6.11, w4b64) and the fused core (torch's
@@ -53,7 +56,7 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python}"
 LIMIT="${PART_LIMIT:-900}"
-ALL=(tests train_fused pola_core nala_core pola_core64 nala_core64 train_b8 train_b1
+ALL=(tests train_fused profile_fused pola_core nala_core pola_core64 nala_core64 train_b8 train_b1
      train_profile infer_b8 infer_b1 maskrcnn)
 STOCK_SWIN_MRCNN='mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'
 BACKBONES=(swin-t pola-swin-t nalaformer-t pvt-t pola-pvt-t)
@@ -85,6 +88,11 @@ part_command() {
             printf '%s\n' "$PY" tools/benchmark.py --mode train "${BACKBONES[@]}" "${GPU[@]}" \
                 --dtype bf16 --sizes 800x1344 --batch "${part#train_b}" --impls fast fused triton \
                 --compare swin-t pola-pvt-t:pvt-t --json "$out/$part.json" ;;
+        profile_fused)
+            printf '%s\n' "$PY" tools/benchmark.py --mode train nalaformer-t pola-swin-t \
+                --device cuda --log-progress --warmup 2 --repeats 2 --dtype bf16 \
+                --sizes 800x1344 --batch 8 --impls fused --profile 3 \
+                --json "$out/$part.json" ;;
         train_profile)
             printf '%s\n' "$PY" tools/benchmark.py --mode train "${BACKBONES[@]}" --device cuda \
                 --log-progress --warmup 2 --repeats 2 --dtype bf16 --sizes 800x1344 --batch 8 \

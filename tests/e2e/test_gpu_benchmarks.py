@@ -17,7 +17,7 @@ import torch
 from harness import REPO, run_python
 
 SCRIPT = 'tools/gpu_benchmarks.sh'
-PARTS = ['tests', 'train_fused', 'pola_core', 'nala_core', 'pola_core64', 'nala_core64',
+PARTS = ['tests', 'train_fused', 'profile_fused', 'pola_core', 'nala_core', 'pola_core64', 'nala_core64',
          'train_b8', 'train_b1', 'train_profile', 'infer_b8', 'infer_b1', 'maskrcnn']
 STOCK_MRCNN = 'mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'
 
@@ -90,7 +90,7 @@ def test_parts_and_their_commands():
 def test_bad_part_or_arguments_stop_before_anything_runs(tmp_path):
     res = script(str(tmp_path / 'out'), 'train_b8', 'nope')
     assert res.returncode == 2 and "unknown part 'nope'" in res.stderr
-    assert 'parts: tests train_fused pola_core' in res.stderr
+    assert 'parts: tests train_fused profile_fused pola_core' in res.stderr
     assert not (tmp_path / 'out').exists()
     res = script()
     assert res.returncode == 2 and res.stderr.startswith('usage: bash tools/gpu_benchmarks.sh')
@@ -251,3 +251,19 @@ def test_ctrl_c_stops_the_run(tmp_path):
     assert proc.returncode == 130, out + err
     assert err.startswith('gpu_benchmarks.sh: stopped (Ctrl-C)')  # by the part or the trap
     assert not (tmp_path / 'out' / 'tests.log').exists()
+
+
+def test_fused_forms_profile(tmp_path):
+    """profile_fused: NaLaFormer-T's and Pola-Swin-T's bf16 steps at batch 8 on the fused forms
+    under the profiler; the fused kernels need CUDA, so here the same command on the torch
+    cores."""
+    argv = printed()['profile_fused']
+    assert argv[argv.index('--mode') + 1:argv.index('--device')] == ['train', 'nalaformer-t',
+                                                                      'pola-swin-t']
+    assert argv[argv.index('--batch') + 1] == '8' and argv[argv.index('--dtype') + 1] == 'bf16'
+    assert argv[argv.index('--impls') + 1:argv.index('--profile')] == ['fused']
+    assert argv[argv.index('--profile') + 1] == '3'
+    out = run(override(argv, device='cpu', dtype='fp32', sizes='64x96', batch='1', repeats='1',
+                       warmup='0', impls=['fast']), tmp_path)
+    for name in ('nalaformer-t | fast', 'pola-swin-t | fast'):
+        assert f'# profile of {name}, 3 calls, 64x96:' in out, (name, out[-3000:])
