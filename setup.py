@@ -12,18 +12,24 @@ from setuptools.command.build_py import build_py
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def read_version():
+def module_scope(name):
+    """The names a module of the package defines, read without importing the package (which
+    needs torch): ``version`` and ``tools`` import nothing of it."""
     scope = {}
-    with open(os.path.join(HERE, 'linattn_mm', 'version.py')) as f:
+    with open(os.path.join(HERE, 'linattn_mm', f'{name}.py')) as f:
         exec(f.read(), scope)
-    return scope['__version__']
+    return scope
 
 
-#: what a built package carries under linattn_mm/.mim/tools (linattn_mm.tools.TOOLS and
-#: LAUNCHERS, which tests/e2e/test_packaging.py compares with the wheel)
-SHIPPED_TOOLS = ['train.py', 'test.py', 'benchmark.py', 'get_flops.py', 'convert_checkpoint.py',
-                 'make_demo_data.py', 'browse_dataset.py', 'visualize_attention.py',
-                 'dist_train.sh', 'dist_test.sh', 'dist_python.sh']
+def read_version():
+    return module_scope('version')['__version__']
+
+
+def shipped_tools():
+    """What a built package carries under linattn_mm/.mim/tools: the tools and launchers that
+    ``linattn_mm.tools`` runs (tests/e2e/test_packaging.py compares them with the wheel)."""
+    tools = module_scope('tools')
+    return [f'{name}.py' for name in tools['TOOLS']] + list(tools['LAUNCHERS'])
 
 
 class BuildWithMimFiles(build_py):
@@ -44,7 +50,7 @@ class BuildWithMimFiles(build_py):
         if os.path.isdir(os.path.join(HERE, 'tools')):
             shutil.rmtree(dst, ignore_errors=True)
             os.makedirs(dst)
-            for name in SHIPPED_TOOLS:
+            for name in shipped_tools():
                 shutil.copy2(os.path.join(HERE, 'tools', name), os.path.join(dst, name))
 
 

@@ -232,14 +232,15 @@ def test_the_tools_module_names_the_shipped_tools_and_refuses_others(capsys, mon
     """``python -m linattn_mm.tools`` / ``linattn-mm``: the tools it runs are the files setup.py
     ships as ``.mim/tools``; in a checkout they come from ``tools/``; a wrong name is refused with
     the list, and ``train --help`` is the train tool's own help."""
-    import ast
     import os.path as osp
+    import runpy
+
+    import setuptools
 
     from linattn_mm import tools
     repo = osp.dirname(osp.dirname(osp.abspath(linattn_mm.__file__)))
-    with open(osp.join(repo, 'setup.py')) as f:
-        shipped = next(ast.literal_eval(node.value) for node in ast.parse(f.read()).body
-                       if isinstance(node, ast.Assign) and node.targets[0].id == 'SHIPPED_TOOLS')
+    monkeypatch.setattr(setuptools, 'setup', lambda **kwargs: None)  # setup.py's definitions only
+    shipped = runpy.run_path(osp.join(repo, 'setup.py'))['shipped_tools']()
     assert sorted(shipped) == sorted([f'{n}.py' for n in tools.TOOLS] + list(tools.LAUNCHERS))
     assert all(osp.isfile(osp.join(repo, 'tools', name)) for name in shipped)
     assert tools.tools_dir() == osp.join(repo, 'tools')
