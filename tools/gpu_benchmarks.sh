@@ -62,6 +62,9 @@ STOCK_SWIN_MRCNN='mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'
 BACKBONES=(swin-t pola-swin-t nalaformer-t pvt-t pola-pvt-t)
 # --log-progress: a part stopped by its time limit shows in its log how far it came
 GPU=(--device cuda --warmup 3 --repeats 10 --log-progress)
+# the profiled training steps (train_profile, profile_fused): a few, bf16, batch 8
+PROFILE=(--device cuda --log-progress --warmup 2 --repeats 2 --dtype bf16 --sizes 800x1344
+         --batch 8)
 
 # the command of a part, one argument per line
 part_command() {
@@ -90,12 +93,9 @@ part_command() {
                 --compare swin-t pola-pvt-t:pvt-t --json "$out/$part.json" ;;
         profile_fused)
             printf '%s\n' "$PY" tools/benchmark.py --mode train nalaformer-t pola-swin-t \
-                --device cuda --log-progress --warmup 2 --repeats 2 --dtype bf16 \
-                --sizes 800x1344 --batch 8 --impls fused --profile 3 \
-                --json "$out/$part.json" ;;
+                "${PROFILE[@]}" --impls fused --profile 3 --json "$out/$part.json" ;;
         train_profile)
-            printf '%s\n' "$PY" tools/benchmark.py --mode train "${BACKBONES[@]}" --device cuda \
-                --log-progress --warmup 2 --repeats 2 --dtype bf16 --sizes 800x1344 --batch 8 \
+            printf '%s\n' "$PY" tools/benchmark.py --mode train "${BACKBONES[@]}" "${PROFILE[@]}" \
                 --impls fast fused --profile 3 --json "$out/$part.json" ;;
         infer_b8|infer_b1)
             printf '%s\n' "$PY" tools/benchmark.py --mode backbone "${BACKBONES[@]}" "${GPU[@]}" \

@@ -17,8 +17,9 @@ import torch
 from harness import REPO, run_python
 
 SCRIPT = 'tools/gpu_benchmarks.sh'
-PARTS = ['tests', 'train_fused', 'profile_fused', 'pola_core', 'nala_core', 'pola_core64', 'nala_core64',
-         'train_b8', 'train_b1', 'train_profile', 'infer_b8', 'infer_b1', 'maskrcnn']
+PARTS = ['tests', 'train_fused', 'profile_fused', 'pola_core', 'nala_core', 'pola_core64',
+         'nala_core64', 'train_b8', 'train_b1', 'train_profile', 'infer_b8', 'infer_b1',
+         'maskrcnn']
 STOCK_MRCNN = 'mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'
 
 
