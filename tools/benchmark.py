@@ -758,7 +758,9 @@ def parse_args(argv=None):
                    help='after the measurements, profile CALLS calls (forwards, training '
                    'steps, core calls) of each target and implementation (torch.profiler; CUDA '
                    'kernels on a GPU) and print the operations and kernels that took the most '
-                   'time')
+                   'time, after a line with each call\'s wall time (on a GPU also the time its '
+                   'kernels kept the device busy: well under the wall time, the host paced the '
+                   'calls)')
     p.add_argument('--log-progress', action='store_true',
                    help='write each build, warm-up and round of measurements to stderr as a '
                    'line with the seconds since the start (logs of runs under a time limit: '
@@ -1263,20 +1265,51 @@ def _core_step(fn, leaves, seed):
 
 
 def profile_table(fn, device, calls, rows=12):
-    """``calls`` calls of ``fn`` under ``torch.profiler`` (with CUDA activity on a GPU): the
-    ``rows`` operations and kernels that took the most time of their own, as torch's table."""
+    """``calls`` calls of ``fn`` under ``torch.profiler`` (with CUDA activity on a GPU): a line of
+    what each call took (:func:`profile_summary`), then the ``rows`` operations and kernels that
+    took the most time of their own, as torch's table."""
     from torch.profiler import ProfilerActivity, profile
     cuda = device.type == 'cuda'
     fn()  # not the first call: compilations and caches stay out of the table
     _sync(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    walls = []
     with profile(activities=activities) as prof:
         for _ in range(calls):
+            t0 = time.perf_counter()
             fn()
-        _sync(device)
-    return prof.key_averages().table(
+            _sync(device)
+            walls.append(time.perf_counter() - t0)
+    averages = prof.key_averages()
+    return profile_summary(averages, walls) + '\n' + averages.table(
         sort_by='self_device_time_total' if cuda else 'self_cpu_time_total', row_limit=rows,
         max_name_column_width=70)
+
+
+def profile_summary(averages, walls):
+    """One line on profiled calls: the wall time of each (each call waits for the device at its
+    end), and where the profile has device activities (CUDA kernels, copies and fills) their
+    time per call, its share of the wall time, and their number per call. A GPU busy for much
+    less than the wall time waited for the host (its launches and the Python around them); a
+    share near 100 % puts the time in the kernels.
+
+    Args:
+        averages: ``prof.key_averages()`` of a ``torch.profiler`` run (rows with
+            ``device_type``, ``count``, ``self_device_time_total`` in microseconds and
+            ``is_user_annotation``).
+        walls (list[float]): seconds of each call.
+    """
+    ms = sorted(w * 1e3 for w in walls)
+    line = (f'# {len(walls)} calls: wall median {statistics.median(ms):.1f} ms per call '
+            f'(each: {", ".join(f"{w * 1e3:.1f}" for w in walls)} ms)')
+    device = [e for e in averages if e.device_type != torch.autograd.DeviceType.CPU
+              and not getattr(e, 'is_user_annotation', False)]
+    if device and walls:
+        busy = sum(e.self_device_time_total for e in device) / 1e3 / len(walls)
+        launches = sum(e.count for e in device) / len(walls)
+        line += (f'; device busy {busy:.1f} ms per call ({busy / statistics.mean(ms):.0%} of the '
+                 f'mean wall), {launches:.0f} kernels and copies per call')
+    return line
 
 
 def run_core(args, device, note=None):

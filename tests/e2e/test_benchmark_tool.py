@@ -5,6 +5,7 @@ import importlib
 import json
 import re
 import runpy
+import types
 
 import pytest
 import torch
@@ -338,6 +339,30 @@ def test_core_profile(capsys):
     assert 'PolarityAttentionBackward' not in reference_part  # plain autograd there
     counts = re.findall(r'^\s*PolarityAttention\s.*\s(\d+)\s*$', torch_part, re.M)
     assert counts == ['3']  # the forward Function once per call
+    # above each table a line with each profiled call's wall time (no device activity on CPU)
+    walls = re.search(r'^# 3 calls: wall median ([\d.]+) ms per call \(each: ([\d., ]+) ms\)$',
+                      torch_part, re.M)
+    each = [float(w) for w in walls.group(2).split(', ')]
+    assert len(each) == 3 and float(walls.group(1)) == pytest.approx(sorted(each)[1], abs=0.051)
+    assert 'device busy' not in torch_part
+
+
+def test_profile_summary_device_share():
+    # on a GPU the line also says how long the device worked per call and what share of the
+    # wall time that is (well under 100 %: the host paced the calls), and how many kernels and
+    # copies ran per call; CPU rows and user annotations do not count
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    rows = [types.SimpleNamespace(device_type=cuda, count=6, self_device_time_total=24000.,
+                                  is_user_annotation=False),
+            types.SimpleNamespace(device_type=cuda, count=4, self_device_time_total=6000.,
+                                  is_user_annotation=False),
+            types.SimpleNamespace(device_type=cuda, count=2, self_device_time_total=90000.,
+                                  is_user_annotation=True),
+            types.SimpleNamespace(device_type=cpu, count=50, self_device_time_total=0.,
+                                  is_user_annotation=False)]
+    line = TOOL['profile_summary'](rows, [0.040, 0.060])
+    assert line == ('# 2 calls: wall median 50.0 ms per call (each: 40.0, 60.0 ms); device busy '
+                    '15.0 ms per call (30% of the mean wall), 5 kernels and copies per call')
 
 
 def test_training_step_profile(capsys, monkeypatch):
