@@ -10,8 +10,9 @@ from linattn_mm.utils.autocast_meta import (meta_autocast_dtype, meta_autocast_e
 
 __all__ = ['grad_needed', 'promote_types', 'into', 'sign_split', 'sign_split_dot', 'linear_into',
            'chunked_layer_setup', 'MIN_CHUNK_ROWS', 'core_chunk_rows', 'heads_buffer',
-           'token_chunks', 'token_slice', 'numpy_log2_', 'NUMPY_LOG2_MAX_THREADS', 'core_dtype',
-           'no_autocast', 'autocast_on', 'backward_without_autocast', 'token_chunk_rows',
+           'token_chunks', 'token_slice', 'numpy_log2_', 'numpy_log2_vectorised', 'NUMPY_LOG2',
+           'NUMPY_LOG2_MAX_THREADS', 'core_dtype', 'no_autocast', 'autocast_on',
+           'backward_without_autocast', 'token_chunk_rows',
            'TOKEN_CHUNK_ELEMENTS', 'TOKEN_MIN_ROWS', 'add_or_take', 'token_gram',
            'token_gram_parts', 'TOKENS_PER_GRAM_PART', 'in_dtype_of', 'kept_input',
            'autocast_dtype']
@@ -294,20 +295,41 @@ def sign_split_dot(df, f):
     return torch.add(gf[..., :d], gf[..., d:])
 
 
+def numpy_log2_vectorised():
+    """Whether numpy's float32 / float64 ``log2`` runs vectorised on this CPU. numpy builds it
+    with SIMD (Intel's SVML) for its AVX-512 target (``AVX512_SKX``) only; on other CPUs it is a
+    loop over the C library's scalar ``log2``, slower than torch's. One thread, 131 k elements:
+    AVX-512 (AMD EPYC): numpy 31 us, torch 131 us (float32); AVX2 only (AMD EPYC): numpy 783
+    us, torch 189 us (float32), 718 against 388 us (float64)."""
+    try:
+        from numpy._core._multiarray_umath import __cpu_features__
+    except ImportError:  # numpy 1.x
+        try:
+            from numpy.core._multiarray_umath import __cpu_features__
+        except ImportError:
+            return False
+    return bool(__cpu_features__.get('AVX512_SKX', False))
+
+
+#: :func:`numpy_log2_` takes numpy's log2 where it is vectorised (:func:`numpy_log2_vectorised`,
+#: decided once, at import) and torch runs at most :data:`NUMPY_LOG2_MAX_THREADS` threads
+NUMPY_LOG2 = numpy_log2_vectorised()
+
 #: :func:`numpy_log2_` takes numpy's log2 on CPU when torch runs this many threads or fewer (one
-#: thread, float32, 131 k elements: torch 131 us, numpy 31 us; two threads: torch 72 us; numpy's
-#: ufunc runs on one thread, torch's splits the tensor over its threads)
+#: thread, float32, 131 k elements, AVX-512: torch 131 us, numpy 31 us; two threads: torch 72
+#: us; numpy's ufunc runs on one thread, torch's splits the tensor over its threads)
 NUMPY_LOG2_MAX_THREADS = 4
 
 
 def numpy_log2_(t):
     """``t.log2_()`` for a tensor that needs no gradient, computed by numpy where that is faster.
-    On CPU in float32 / float64 with at most :data:`NUMPY_LOG2_MAX_THREADS` torch threads it runs
-    numpy's vectorised log2 in place on the same memory (torch's CPU log2 is not vectorised:
-    about 1 ns an element); ``log2(0)`` is ``-inf`` either way, without numpy's divide-by-zero
-    warning. Tensor subclasses (fake tensors of tracing and export), other devices and code being
-    compiled run torch's op."""
-    if (not torch.compiler.is_compiling() and type(t) is torch.Tensor
+    On CPU in float32 / float64, where numpy's log2 is vectorised (:data:`NUMPY_LOG2`: CPUs with
+    AVX-512) and torch runs at most :data:`NUMPY_LOG2_MAX_THREADS` threads, it runs numpy's log2
+    in place on the same memory (torch's CPU log2 is not vectorised: about 1 ns an element there);
+    ``log2(0)`` is ``-inf`` either way, without numpy's divide-by-zero warning. Tensor subclasses
+    (fake tensors of tracing and export), other devices, other CPUs and code being compiled run
+    torch's op."""
+    if (NUMPY_LOG2 and not torch.compiler.is_compiling() and type(t) is torch.Tensor
             and t.device.type == 'cpu' and t.dtype in (torch.float32, torch.float64)
             and torch.get_num_threads() <= NUMPY_LOG2_MAX_THREADS):
         a = t.numpy()

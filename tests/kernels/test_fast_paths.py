@@ -3,6 +3,9 @@ against the reference core, the module with ``core='fast'`` (the default) agains
 ``core='reference'``, its inference form (:func:`linattn_mm.deploy.convert`), and whole Pola-PVT-T /
 Pola-Swin-T backbones, outputs and gradients, in float32 (1e-5 relative) and float64 (1e-10
 relative)."""
+import types
+
+import numpy as np
 import pytest
 import torch
 
@@ -319,10 +322,11 @@ def test_fast_path_macs_equal_reference(layout):
 def test_log2_in_place(dtype, max_threads, monkeypatch):
     """``ops.common.numpy_log2_`` (numpy's vectorised log2 on CPU with few threads, else torch's) is
     in place and equals the log2 to about an ulp, ``log2(0) = -inf`` without warnings, on a
-    strided view too."""
+    strided view too (numpy's path taken here on any CPU)."""
     import warnings
 
     import linattn_mm.ops.common as common
+    monkeypatch.setattr(common, 'NUMPY_LOG2', True)
     monkeypatch.setattr(common, 'NUMPY_LOG2_MAX_THREADS', max_threads)
     base = torch.rand(40, 30, dtype=torch.float64) * 50
     base[3, 4] = 0
@@ -339,6 +343,28 @@ def test_log2_in_place(dtype, max_threads, monkeypatch):
     tol = 4 * torch.finfo(dtype).eps
     assert ((x.double() - want)[ok].abs() <= tol * want[ok].abs().clamp_min(1)).all()
     assert torch.allclose(view.double(), want[:, ::3], rtol=tol, atol=tol, equal_nan=True)
+
+
+@pytest.mark.parametrize('vectorised', [True, False])
+def test_log2_numpy_only_where_vectorised(vectorised, monkeypatch):
+    """numpy's log2 is taken only where it is vectorised (``NUMPY_LOG2``: numpy's AVX-512
+    target, decided once at import); on other CPUs it is a scalar loop, slower than torch's, and
+    torch's op runs. The same values either way."""
+    import linattn_mm.ops.common as common
+    calls = []
+
+    def spy(a, out):
+        calls.append(a.shape)
+        return np.log2(a, out=out)
+    monkeypatch.setattr(common, 'NUMPY_LOG2', vectorised)
+    monkeypatch.setattr(common, 'NUMPY_LOG2_MAX_THREADS', 10 ** 6)  # any number of threads
+    monkeypatch.setattr(common, 'np', types.SimpleNamespace(log2=spy, errstate=np.errstate))
+    x = torch.rand(7, 5) + 2  # log2 in [1, 1.6): relative errors of an ulp or two
+    want = torch.log2(x)
+    out = common.numpy_log2_(x)
+    assert out is x and torch.allclose(x, want, rtol=4e-7, atol=0)
+    assert calls == ([(7, 5)] if vectorised else [])
+    assert isinstance(common.numpy_log2_vectorised(), bool)
 
 
 def test_log2_keeps_torch_for_fake_tensors():
