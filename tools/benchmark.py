@@ -786,9 +786,28 @@ def parse_args(argv=None):
     p.add_argument('--mmcv-ops', choices=['mmcv', 'torchvision'], default='mmcv',
                    help="detectors' NMS and RoIAlign: mmcv's compiled ops, or torchvision's "
                         '(for a GPU where mmcv was built without its CUDA ops)')
+    p.add_argument('--fused-launch', metavar='WARPS:ELEMENTS', type=_fused_launch_arg,
+                   help='launch the fused forms\' kernels (--impls fused) with WARPS warps per '
+                   'program and the fused cores\' tiles with ELEMENTS elements instead of '
+                   '4:2048 (ops.dispatch.fused_launch): to compare launches on a GPU')
     p.add_argument('--json', help='write all results to this JSON file')
     p.add_argument('--plot', help='write a log-log plot of time and peak memory vs pixels')
     return p.parse_args(argv)
+
+
+def _fused_launch_arg(text):
+    """``--fused-launch WARPS:ELEMENTS`` as ``(warps, elements)``, checked as
+    :func:`~linattn_mm.ops.dispatch.fused_launch` checks them."""
+    from linattn_mm.ops.dispatch import fused_launch
+    try:
+        warps, elements = (int(v) for v in text.split(':'))
+        with fused_launch(warps, elements):
+            pass
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(
+            f'{text!r}: WARPS:ELEMENTS, warps 1, 2, 4, 8 or 16 and elements a power of two '
+            f'>= 256 ({e})') from None
+    return warps, elements
 
 
 def _randomise_pola(model, seed):
@@ -851,6 +870,9 @@ def main(argv=None):
             stack.enter_context(fused_attention_on_meta())
         if args.mmcv_ops == 'torchvision':  # mmcv's own ops again when the run ends
             stack.callback(route_mmcv_ops_to_torchvision())
+        if args.fused_launch:
+            from linattn_mm.ops.dispatch import fused_launch
+            stack.enter_context(fused_launch(*args.fused_launch))
         return _main(args)
 
 

@@ -18,6 +18,12 @@
 #   profile_fused where the time of the fused forms' steps goes, in a minute or two: three bf16
 #                 training steps at batch 8 of NaLaFormer-T and Pola-Swin-T on the fused forms
 #                 under torch.profiler (their Triton kernels by name)
+#   fused_w8, fused_e1024
+#                 the same steps (five timed, one profiled) with the fused kernels launched
+#                 another way (benchmark.py --fused-launch): 8 warps a program instead of 4, or
+#                 tiles of 1024 elements instead of 2048; each halves the registers a thread
+#                 holds (NaLa's gradient kernels: 200 a thread with 4 warps, 2 programs a
+#                 multiprocessor on Hopper), against the stock Swin-T in the same run
 #   pola_core     the Pola core alone, forward and backward, bf16, 128² and 256² tokens, batch 8:
 #                 Triton (its products in float32 and on the tensor cores, tf32x3; and its
 #                 gradient passes launched as up to 0.6.11, w4b64) and the fused core (torch's
@@ -56,8 +62,8 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python}"
 LIMIT="${PART_LIMIT:-900}"
-ALL=(tests train_fused profile_fused pola_core nala_core pola_core64 nala_core64 train_b8 train_b1
-     train_profile infer_b8 infer_b1 maskrcnn)
+ALL=(tests train_fused profile_fused fused_w8 fused_e1024 pola_core nala_core pola_core64
+     nala_core64 train_b8 train_b1 train_profile infer_b8 infer_b1 maskrcnn)
 STOCK_SWIN_MRCNN='mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'
 BACKBONES=(swin-t pola-swin-t nalaformer-t pvt-t pola-pvt-t)
 # --log-progress: a part stopped by its time limit shows in its log how far it came
@@ -94,6 +100,13 @@ part_command() {
         profile_fused)
             printf '%s\n' "$PY" tools/benchmark.py --mode train nalaformer-t pola-swin-t \
                 "${PROFILE[@]}" --impls fused --profile 3 --json "$out/$part.json" ;;
+        fused_w8|fused_e1024)
+            local launch=8:2048
+            [ "$part" = fused_e1024 ] && launch=4:1024
+            printf '%s\n' "$PY" tools/benchmark.py --mode train swin-t nalaformer-t pola-swin-t \
+                --device cuda --log-progress --warmup 2 --repeats 5 --dtype bf16 \
+                --sizes 800x1344 --batch 8 --impls fused --fused-launch "$launch" \
+                --compare swin-t --profile 1 --json "$out/$part.json" ;;
         train_profile)
             printf '%s\n' "$PY" tools/benchmark.py --mode train "${BACKBONES[@]}" "${PROFILE[@]}" \
                 --impls fast fused --profile 3 --json "$out/$part.json" ;;

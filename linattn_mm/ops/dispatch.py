@@ -20,7 +20,7 @@ __all__ = ['CORES', 'check_core', 'TRITON_DTYPES', 'triton_module', 'triton_avai
            'DOT_PRECISIONS', 'dot_precision', 'triton_dot_precision', 'core_launch',
            'CORE_LAUNCHES', 'core_blocks', 'triton_core_launch', 'padded_head_dims',
            'FUSED_BLOCK_ELEMENTS', 'FUSED_WARPS', 'FUSED_PROGRAMS_PER_SM', 'fused_block',
-           'fused_chunks', 'multiprocessors']
+           'fused_chunks', 'multiprocessors', 'fused_warps', 'fused_launch']
 
 #: the names of the attention cores of the linear families (``'fused'`` and ``'triton'``: Pola's
 #: and NaLa's official kernel)
@@ -163,10 +163,49 @@ def triton_core_launch(forward=None, backward=None):
 #: (:mod:`linattn_mm.ops.pola.fused`, :mod:`linattn_mm.ops.nala.fused`), with
 #: :data:`FUSED_WARPS` warps: 16 float32 values per thread and map
 FUSED_BLOCK_ELEMENTS = 2048
+#: warps of every program of the fused forms' kernels (the cores', NaLaFormer's conv sums, gated
+#: output and RoPE)
 FUSED_WARPS = 4
 #: programs per multiprocessor of the fused cores' kernels that sum over their chunk of tokens:
 #: memory-bound kernels want many warps in flight on every multiprocessor
 FUSED_PROGRAMS_PER_SM = 16
+
+#: the fused launch within :func:`fused_launch` blocks, innermost last
+_FUSED_OVERRIDES = [{}]
+
+
+def fused_warps():
+    """Warps of a program of the fused forms' kernels: :data:`FUSED_WARPS`, or what
+    :func:`fused_launch` sets."""
+    return _FUSED_OVERRIDES[-1].get('warps', FUSED_WARPS)
+
+
+@contextlib.contextmanager
+def fused_launch(warps=None, block_elements=None):
+    """Within the block, the fused forms' kernels launch with ``warps`` warps per program
+    (:func:`fused_warps`) and the fused cores' tiles hold ``block_elements`` elements
+    (:func:`fused_block`) instead of :data:`FUSED_WARPS` and :data:`FUSED_BLOCK_ELEMENTS`: a
+    switch to compare launches on a GPU (``tools/benchmark.py --fused-launch``), not a setting to
+    train with. The values are the same; registers per thread, and so the warps a
+    multiprocessor holds at once, change with the tile a thread holds.
+
+    The kernels read it when they launch, the backward's when it runs: one setting for the whole
+    process (as :func:`triton_core_launch`)."""
+    launch = {}
+    if warps is not None:
+        if warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f'fused_launch: warps must be 1, 2, 4, 8 or 16, got {warps!r}')
+        launch['warps'] = int(warps)
+    if block_elements is not None:
+        if block_elements < 256 or block_elements & (block_elements - 1):
+            raise ValueError(f'fused_launch: block_elements must be a power of two >= 256, got '
+                             f'{block_elements!r}')
+        launch['block_elements'] = int(block_elements)
+    _FUSED_OVERRIDES.append(dict(_FUSED_OVERRIDES[-1], **launch))
+    try:
+        yield
+    finally:
+        _FUSED_OVERRIDES.pop()
 
 
 def multiprocessors(device):
@@ -179,8 +218,10 @@ def multiprocessors(device):
 
 def fused_block(d):
     """Tokens of a tile of the fused cores' kernels at head dim ``d``:
-    :data:`FUSED_BLOCK_ELEMENTS` over the padded dim (:func:`padded_head_dims`)."""
-    return max(16, FUSED_BLOCK_ELEMENTS // padded_head_dims(d))
+    :data:`FUSED_BLOCK_ELEMENTS` (or :func:`fused_launch`'s) over the padded dim
+    (:func:`padded_head_dims`)."""
+    elements = _FUSED_OVERRIDES[-1].get('block_elements', FUSED_BLOCK_ELEMENTS)
+    return max(16, elements // padded_head_dims(d))
 
 
 def fused_chunks(length, bh, block, device):

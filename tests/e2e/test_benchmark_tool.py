@@ -518,6 +518,38 @@ def test_mmcv_ops_option_restores_mmcv_after_the_run():
     assert seen == ['TorchvisionMmcvOps'] and mmcv_nms.ext_module is original
 
 
+def test_fused_launch_option_sets_the_fused_kernels_launch_for_the_run(tmp_path):
+    # --fused-launch WARPS:ELEMENTS: the fused forms' kernels of the whole run launch so
+    # (dispatch.fused_launch), restored afterwards. On meta the launches are counted: the same
+    # operations, and the partial sums over the tokens have one row per program, so smaller
+    # tiles make more programs at this size (4 multiprocessors off CUDA) and move more bytes
+    from linattn_mm.ops import dispatch
+    seen = []
+    real = TOOL['_main']
+
+    def spy(args):
+        seen.append((dispatch.fused_warps(), dispatch.fused_block(32)))
+        return real(args)
+    rows = {}
+    TOOL['main'].__globals__['_main'] = spy
+    try:
+        for launch in (None, '8:256'):
+            js = tmp_path / f'{launch}.json'
+            TOOL['main'](['--mode', 'train', 'pola-swin-t', '--sizes', '128x192', '--device',
+                          'meta', '--dtype', 'bf16', '--impls', 'fused', '--warmup', '0',
+                          '--repeats', '1', '--json', str(js)]
+                         + ([] if launch is None else ['--fused-launch', launch]))
+            rows[launch] = load(js)
+    finally:
+        TOOL['main'].__globals__['_main'] = real
+    assert seen == [(4, 64), (8, 16)]
+    assert dispatch.fused_warps() == 4 and dispatch.fused_block(32) == 64
+    assert rows['8:256']['args']['fused_launch'] == [8, 256]
+    default, small = rows[None]['results'][0], rows['8:256']['results'][0]
+    assert small['operations'] == default['operations']
+    assert small['bytes_moved'] > default['bytes_moved']
+
+
 def test_bad_arguments_are_refused_before_anything_is_measured(capsys):
     """Malformed sizes, unknown targets and --compare baselines that name nothing of the run are
     errors up front (an unknown target failed after the others were measured; an unknown
@@ -531,7 +563,11 @@ def test_bad_arguments_are_refused_before_anything_is_measured(capsys):
              "--compare nosuch: 'nosuch' is neither a target nor an implementation of this run "
              "(fast, pola-pvt-t)"),
             (['--mode', 'core', '--grid', '8x8', '--compare', 'fast'],
-             "'fast' is neither a target nor an implementation of this run (torch)")):
+             "'fast' is neither a target nor an implementation of this run (torch)"),
+            (['pola-pvt-t', '--fused-launch', '8:1000'],
+             "'8:1000': WARPS:ELEMENTS, warps 1, 2, 4, 8 or 16 and elements a power of two >= "
+             "256"),
+            (['pola-pvt-t', '--fused-launch', '8'], "'8': WARPS:ELEMENTS")):
         with pytest.raises(SystemExit) as e:
             main(argv + ['--warmup', '0', '--repeats', '1'])
         captured = capsys.readouterr()  # argparse's errors on stderr, the others in the exit

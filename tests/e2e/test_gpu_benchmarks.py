@@ -4,6 +4,7 @@ same tool, mode, targets and flags, only the device (``meta`` for the training s
 them with the Triton cores as on a GPU; CPU for the rest), sizes and repeats changed; the CUDA
 test files it names exist; a bad part name or a machine without a GPU stops it before anything
 runs, with the reason."""
+import json
 import os
 import re
 import shlex
@@ -17,9 +18,9 @@ import torch
 from harness import REPO, run_python
 
 SCRIPT = 'tools/gpu_benchmarks.sh'
-PARTS = ['tests', 'train_fused', 'profile_fused', 'pola_core', 'nala_core', 'pola_core64',
-         'nala_core64', 'train_b8', 'train_b1', 'train_profile', 'infer_b8', 'infer_b1',
-         'maskrcnn']
+PARTS = ['tests', 'train_fused', 'profile_fused', 'fused_w8', 'fused_e1024', 'pola_core',
+         'nala_core', 'pola_core64', 'nala_core64', 'train_b8', 'train_b1', 'train_profile',
+         'infer_b8', 'infer_b1', 'maskrcnn']
 STOCK_MRCNN = 'mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'
 
 
@@ -91,7 +92,7 @@ def test_parts_and_their_commands():
 def test_bad_part_or_arguments_stop_before_anything_runs(tmp_path):
     res = script(str(tmp_path / 'out'), 'train_b8', 'nope')
     assert res.returncode == 2 and "unknown part 'nope'" in res.stderr
-    assert 'parts: tests train_fused profile_fused pola_core' in res.stderr
+    assert 'parts: tests train_fused profile_fused fused_w8 fused_e1024 pola_core' in res.stderr
     assert not (tmp_path / 'out').exists()
     res = script()
     assert res.returncode == 2 and res.stderr.startswith('usage: bash tools/gpu_benchmarks.sh')
@@ -268,3 +269,25 @@ def test_fused_forms_profile(tmp_path):
                        warmup='0', impls=['fast']), tmp_path)
     for name in ('nalaformer-t | fast', 'pola-swin-t | fast'):
         assert f'# profile of {name}, 3 calls, 64x96:' in out, (name, out[-3000:])
+
+
+@pytest.mark.parametrize('part, launch', [('fused_w8', [8, 2048]), ('fused_e1024', [4, 1024])])
+def test_fused_forms_launched_another_way(part, launch, tmp_path):
+    """fused_w8, fused_e1024: NaLaFormer-T's and Pola-Swin-T's bf16 steps at batch 8 on the fused
+    forms with their kernels launched another way, against the stock Swin-T, one step profiled;
+    counted on ``meta`` here (without the profile, which needs a device that computes)."""
+    argv = printed()[part]
+    assert argv[argv.index('--mode') + 1:argv.index('--device')] == [
+        'train', 'swin-t', 'nalaformer-t', 'pola-swin-t']
+    assert argv[argv.index('--batch') + 1] == '8' and argv[argv.index('--dtype') + 1] == 'bf16'
+    assert argv[argv.index('--impls') + 1:argv.index('--fused-launch')] == ['fused']
+    assert argv[argv.index('--fused-launch') + 1] == f'{launch[0]}:{launch[1]}'
+    assert argv[argv.index('--profile') + 1] == '1'
+    i = argv.index('--profile')
+    argv = argv[:i] + argv[i + 2:]
+    out = run(override(argv, device='meta', sizes='64x96', warmup='0', repeats='1'), tmp_path)
+    for name in ('nalaformer-t', 'pola-swin-t'):
+        assert re.search(rf'^{name}\s+fused\s+64x96: operations [\d.]+x', out, re.M), \
+            (name, out[-3000:])
+    with open(tmp_path / 'out.json') as f:
+        assert json.load(f)['args']['fused_launch'] == launch

@@ -197,3 +197,61 @@ def test_the_cores_launch_each_phase_as_core_launch_says(monkeypatch, family):
         (names[0], 4, 16), (names[1], 4, 128), (names[2], 8, 128), (names[3], 8, 16)]
     with dispatch.triton_core_launch(backward=(4, 64)):
         assert step(32) == [(n, 4, 64) for n in names]
+
+
+def test_a_block_sets_the_fused_forms_launch():
+    # dispatch.fused_launch: the warps of the fused forms' kernels and the elements of the fused
+    # cores' tiles (tokens per tile: elements over the padded head dim, at least 16)
+    assert dispatch.fused_warps() == dispatch.FUSED_WARPS == 4
+    assert dispatch.fused_block(64) == 32 and dispatch.fused_block(12) == 128
+    with dispatch.fused_launch(warps=8):
+        assert dispatch.fused_warps() == 8 and dispatch.fused_block(64) == 32
+        with dispatch.fused_launch(block_elements=512):
+            assert dispatch.fused_warps() == 8  # the outer block's
+            assert dispatch.fused_block(64) == 16 and dispatch.fused_block(32) == 16
+        assert dispatch.fused_block(64) == 32
+    assert dispatch.fused_warps() == 4
+    with pytest.raises(ValueError, match=r'warps must be 1, 2, 4, 8 or 16, got 3'):
+        with dispatch.fused_launch(warps=3):
+            pass
+    for bad in (128, 768):
+        with pytest.raises(ValueError, match=rf'block_elements must be a power of two >= 256, '
+                                             rf'got {bad}'):
+            with dispatch.fused_launch(block_elements=bad):
+                pass
+    assert dispatch.fused_warps() == 4 and dispatch.fused_block(64) == 32
+
+
+@pytest.mark.skipif(dispatch.triton_module() is None, reason='Triton is not installed')
+def test_the_fused_cores_launch_as_fused_launch_says(monkeypatch):
+    # every kernel of the fused NaLa and Pola cores, forward and backward, launches with the
+    # warps and the tiles of the block it runs in; recorded, not run
+    from linattn_mm.ops.nala import fused as nf
+    from linattn_mm.ops.pola import fused as pf
+    launched = []
+
+    def record(kernel, grid, *args, num_warps, **kwargs):
+        launched.append((kernel.fn.__name__, num_warps, kwargs.get('BLOCK')))
+
+    monkeypatch.setattr(dispatch, '_interpreting', lambda: True)  # CPU tensors pass the checks
+    monkeypatch.setattr(nf, 'launch_fitted', record)
+    monkeypatch.setattr(pf, 'launch_fitted', record)
+
+    def launches(core):
+        del launched[:]
+        q, k, v = (torch.randn(1, 2, 40, 64, requires_grad=True) for _ in range(3))
+        if core == 'nala':
+            out = nf.nala_attention_fused(q, k, v)
+        else:
+            out = pf.polarity_attention_fused(q, k, v, torch.full((1, 2, 1, 64), 3.0))
+        out.sum().backward()  # on the buffers the recorded launches left unwritten
+        return {(name, warps, block) for name, warps, block in launched}
+
+    kernels = {'nala': ['_nala_fused_features_kernel', '_nala_fused_query_grads_kernel',
+                        '_nala_fused_key_grads_kernel'],
+               'pola': ['_pola_features_kernel', '_pola_output_grad_kernel',
+                        '_pola_feature_grads_kernel']}
+    for core, names in kernels.items():
+        assert launches(core) == {(n, 4, 32) for n in names}
+        with dispatch.fused_launch(8, 512):
+            assert launches(core) == {(n, 8, 16) for n in names}

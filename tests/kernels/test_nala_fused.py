@@ -30,6 +30,14 @@ def test_fused_core_and_its_gradients_equal_the_reference(interpreted):
     assert_nala_core_grads(interpreted)
 
 
+def test_fused_core_under_another_launch_equals_the_reference(interpreted):
+    # dispatch.fused_launch (8 warps, tiles of 512 elements): the same output and gradients of
+    # q, k, v as the float64 reference to float32 rounding, as with the default launch
+    launch = {k: v for k, v in interpreted.items() if k.startswith('launch ')}
+    assert sorted(launch) == [f'launch 8 warps, 512 elements: {t}' for t in ('k', 'out', 'q', 'v')]
+    assert all(err < 1e-5 for err in launch.values()), launch
+
+
 def test_fused_core_reads_the_half_precision_twin_of_v(interpreted):
     # v_keep (the projection under autocast): read and kept instead of v (the script checks it
     # is what the Function keeps), the same output and gradients to the bit

@@ -20,6 +20,7 @@ from linattn_mm.models.attentions.nala import NormAwareLinearAttention, RoPE2d
 from linattn_mm.models.attentions.pola import PolaLinearAttention
 from linattn_mm.models.backbones import LinAttnSwin
 from linattn_mm.models.backbones.nalaformer import NaLaFormer
+from linattn_mm.ops.dispatch import fused_launch
 from linattn_mm.ops.nala import nala_attention
 from linattn_mm.ops.nala.fused import nala_attention_fused
 from linattn_mm.ops.nala.triton import nala_attention_triton
@@ -363,6 +364,22 @@ def run_nala_grads(res, fused=False):
         for nm, a, b, leaf in zip('qkv', got, want, leaves):
             assert a.dtype == leaf.dtype and a.shape == leaf.shape, nm
             res[f'grad {name}: {nm}'] = rel(a, b)
+    if fused:  # another launch of the fused kernels (dispatch.fused_launch): 8 warps, tiles of
+        # 512 elements (32 tokens at d = 16 instead of 128), a float32 case with the RoPE
+        g = torch.Generator().manual_seed(250)
+        B, h, hw, d = 2, 2, (9, 7), 16
+        leaves = [torch.randn(B, h, 63, d, generator=g).requires_grad_() for _ in range(3)]
+        grad = torch.randn(B, h, 63, d, generator=g)
+        sin, cos = RoPE2d(d)(hw)
+        with fused_launch(8, 512):
+            out = core(*leaves, 3., 1e-6, sin, cos)
+            got = torch.autograd.grad(out, leaves, grad)
+        ref = [t.detach().double().requires_grad_() for t in leaves]
+        want_out = nala_reference_core(*ref, 3., 1e-6, (sin.double(), cos.double()))
+        want = torch.autograd.grad(want_out, ref, grad.double())
+        res['launch 8 warps, 512 elements: out'] = rel(out, want_out)
+        for nm, a, b in zip('qkv', got, want):
+            res[f'launch 8 warps, 512 elements: {nm}'] = rel(a, b)
     # v_keep: the kernels read the half-precision projection v was cast from, and keep it; v
     # still gets its gradient in float32: the same values as reading the float32 v
     g = torch.Generator().manual_seed(300)

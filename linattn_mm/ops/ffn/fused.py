@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from ..common import autocast_dtype, backward_without_autocast, promote_types
 from ..common import in_dtype_of as _to
-from ..dispatch import (FUSED_WARPS, TRITON_DTYPES, fused_chunks, launch_fitted,
+from ..dispatch import (TRITON_DTYPES, fused_chunks, fused_warps, launch_fitted,
                         triton_available, triton_module)
 from ..lean_layers import ScaledAdd, scaled_add
 from .autograd import _conv_ffn_input_grads, _layer_norm, _linear_grads
@@ -183,7 +183,7 @@ def _conv_sum_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     pre_t = x if pre is None else pre
     launch_fitted(_conv_sum_kernel, (B * H, triton.cdiv(W, bw), triton.cdiv(C, bc)),
         x, weight, weight if bias is None else bias, pre_t, z, z if copy is None else xc, H, W,
-        C, *x.stride(), *pre_t.stride(), *z.stride(), num_warps=FUSED_WARPS, K=k, FLIP=flip,
+        C, *x.stride(), *pre_t.stride(), *z.stride(), num_warps=fused_warps(), K=k, FLIP=flip,
         HAS_BIAS=bias is not None, COPY=copy is not None, GELU_GRAD=pre is not None,
         ROUND=rounding, ROUND_OUT=_ROUNDING.get(out_dtype, 0), BW=bw, BC=bc)
     return z, xc
@@ -259,7 +259,7 @@ def _scaled_add_grads_op(grad: torch.Tensor, b: torch.Tensor, f: torch.Tensor,
         (-(-C // _ADD_CHANNELS), -(-(H * W) // chunk), B),
         grad, b, f, db if need_db else grad, sums if need_df else f, H * W, C, chunk,
         *_token_strides(grad), *_token_strides(b), *d_t, f.stride(0) if f.shape[0] > 1 else 0,
-        f.stride(1), num_warps=FUSED_WARPS, NEED_DB=need_db, NEED_DF=need_df,
+        f.stride(1), num_warps=fused_warps(), NEED_DB=need_db, NEED_DF=need_df,
         ROUND_OUT=_ROUNDING.get(b_dtype, 0), BT=_ADD_TOKENS, BC=_ADD_CHANNELS)
     return db, sums
 

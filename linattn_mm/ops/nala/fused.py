@@ -33,7 +33,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..common import backward_without_autocast, into, kept_input, no_autocast, token_gram
-from ..dispatch import (FUSED_WARPS, fused_block, fused_chunks, launch_fitted, padded_head_dims,
+from ..dispatch import (fused_block, fused_chunks, fused_warps, launch_fitted, padded_head_dims,
                         triton_module)
 from ..pola.triton import check_qkv
 from .fast import rope_fold
@@ -210,7 +210,7 @@ def _features_op(x: torch.Tensor, km: Optional[torch.Tensor], sin: Optional[torc
     splits = fused_chunks(L, B * h, fused_block(d), x.device)[0]
     launch_fitted(_nala_fused_features_kernel, (B * h, splits),
         x, km if queries else x, sin_t, cos_t, f, side, side, L, h, chunk, lam, eps, *x.stride(),
-        *rs, num_warps=FUSED_WARPS, D=d, DP=padded_head_dims(d), BLOCK=fused_block(d),
+        *rs, num_warps=fused_warps(), D=d, DP=padded_head_dims(d), BLOCK=fused_block(d),
         QUERIES=queries, HAS_ROPE=sin is not None, CUBE=lam == 3.0)
     return f, side
 
@@ -241,7 +241,7 @@ def _query_grads_op(q: torch.Tensor, km: torch.Tensor, sin: Optional[torch.Tenso
     sin_t, cos_t, rs = _rope_args(sin, cos, q)
     launch_fitted(_nala_fused_query_grads_kernel, (B * h, dkm.shape[1]),
         q, km, sin_t, cos_t, df, dden, dq_t, dkm, N, h, chunk, lam, *q.stride(), *dq_t.stride(),
-        *rs, num_warps=FUSED_WARPS, D=d, DP=padded_head_dims(d), BLOCK=fused_block(d),
+        *rs, num_warps=fused_warps(), D=d, DP=padded_head_dims(d), BLOCK=fused_block(d),
         HAS_ROPE=sin is not None)
     return dq, dkm
 
@@ -263,7 +263,7 @@ def _key_grads_op(k: torch.Tensor, sin: Optional[torch.Tensor], cos: Optional[to
     splits, chunk = fused_chunks(n, B * h, fused_block(d), k.device)
     launch_fitted(_nala_fused_key_grads_kernel, (B * h, splits),
         k, sin_t, cos_t, df, dks, dk_t, n, h, chunk, lam, *k.stride(), *dk_t.stride(), *rs,
-        num_warps=FUSED_WARPS, D=d, DP=padded_head_dims(d), BLOCK=fused_block(d),
+        num_warps=fused_warps(), D=d, DP=padded_head_dims(d), BLOCK=fused_block(d),
         HAS_ROPE=sin is not None, CUBE=lam == 3.0)
     return dk
 

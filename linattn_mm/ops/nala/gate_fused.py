@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from ..common import autocast_dtype, backward_without_autocast, token_gram
 from ..common import in_dtype_of as _to
-from ..dispatch import FUSED_WARPS, TRITON_DTYPES, fused_chunks, launch_fitted, triton_module
+from ..dispatch import TRITON_DTYPES, fused_chunks, fused_warps, launch_fitted, triton_module
 from ..ffn.fused import _ROUNDING
 from ..lean_layers import NormGatedLinear
 
@@ -154,7 +154,7 @@ def _norm_gate_op(s: torch.Tensor, g: torch.Tensor, ln_w: torch.Tensor, ln_b: to
     T, C = s.shape
     br, bc = _rows(C)
     launch_fitted(_norm_gate_kernel, (triton.cdiv(T, br), ), s, g, ln_w, ln_b, y, T, C,
-                  s.stride(0), g.stride(0), eps, num_warps=FUSED_WARPS,
+                  s.stride(0), g.stride(0), eps, num_warps=fused_warps(),
                   ROUND_OUT=_ROUNDING.get(out_dtype, 0), BR=br, BC=bc)
     return y
 
@@ -191,7 +191,7 @@ def _norm_gate_grads_op(s: torch.Tensor, g: torch.Tensor, u: torch.Tensor, ln_w:
     launch_fitted(_norm_gate_grads_kernel, (triton.cdiv(T, chunk), ), s, g, u, ln_w, ln_b,
                   y if need_y else u, dg if need_dg else u, ds if need_ds else u,
                   pw if need_ln else ln_w, pb if need_ln else ln_w, T, C, chunk, s.stride(0),
-                  g.stride(0), eps, num_warps=FUSED_WARPS, NEED_Y=need_y, NEED_DG=need_dg,
+                  g.stride(0), eps, num_warps=fused_warps(), NEED_Y=need_y, NEED_DG=need_dg,
                   NEED_DS=need_ds, NEED_LN=need_ln, ROUND_Y=_ROUNDING.get(y_dtype, 0),
                   ROUND_DG=_ROUNDING.get(g.dtype, 0), ROUND_DS=_ROUNDING.get(s.dtype, 0), BR=br,
                   BC=bc)

@@ -30,7 +30,7 @@ each launch is one operation for the counters of :mod:`linattn_mm.utils`.
 import torch
 
 from ..common import backward_without_autocast, promote_types
-from ..dispatch import (FUSED_WARPS, TRITON_DTYPES, fused_block, launch_fitted, triton_available,
+from ..dispatch import (TRITON_DTYPES, fused_block, fused_warps, launch_fitted, triton_available,
                         triton_module)
 from ..ffn.fused import _ROUNDING
 from .fast import RopeTables, rope_turn, rotate_pairs
@@ -85,7 +85,7 @@ def _rope_op(x: torch.Tensor, table: torch.Tensor, conj: bool,
     table = table.contiguous()
     block = fused_block(d)
     launch_fitted(_rope_kernel, (B * h, triton.cdiv(N, block)), x, table, y, N, h,
-                  *x.stride(), num_warps=FUSED_WARPS, D2=d // 2,
+                  *x.stride(), num_warps=fused_warps(), D2=d // 2,
                   DP2=triton.next_power_of_2(max(d // 2, 1)), BLOCK=block, CONJ=conj,
                   ROUND=_ROUNDING.get(out_dtype, 0))
     return y

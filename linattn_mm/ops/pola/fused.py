@@ -46,7 +46,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..common import backward_without_autocast, no_autocast, token_gram
-from ..dispatch import (FUSED_WARPS, TRITON_DTYPES, fused_block, fused_chunks, launch_fitted,
+from ..dispatch import (TRITON_DTYPES, fused_block, fused_chunks, fused_warps, launch_fitted,
                         padded_head_dims, triton_module)
 from .autograd import _LN2, _key_side_grads
 from .fast import _normalise_into, heads_buffer, joined_weights
@@ -174,7 +174,7 @@ def _features_op(x: torch.Tensor, pe: Optional[torch.Tensor], p: torch.Tensor,
     pe_t = x if pe is None else pe
     launch_fitted(_pola_features_kernel, (B * h, triton.cdiv(L, block)),
         x, pe_t, p, p if inv_s is None else inv_s, f, L, h, *x.stride(), *pe_t.stride(),
-        num_warps=FUSED_WARPS, D=d, DP=padded_head_dims(d), BLOCK=block, HAS_PE=pe is not None,
+        num_warps=fused_warps(), D=d, DP=padded_head_dims(d), BLOCK=block, HAS_PE=pe is not None,
         HAS_SCALE=inv_s is not None)
     return f
 
@@ -207,7 +207,7 @@ def _feature_grads_op(x: torch.Tensor, pe: Optional[torch.Tensor], p: torch.Tens
     pe_t = x if pe is None else pe
     launch_fitted(_pola_feature_grads_kernel, (B * h, d_inv.shape[1]),
         x, pe_t, p, p if inv_s is None else inv_s, df, df if db is None else db, dx_t, d_inv,
-        d_pow, L, h, chunk, *x.stride(), *pe_t.stride(), *dx_t.stride(), num_warps=FUSED_WARPS,
+        d_pow, L, h, chunk, *x.stride(), *pe_t.stride(), *dx_t.stride(), num_warps=fused_warps(),
         D=d, DP=padded_head_dims(d), BLOCK=fused_block(d), HAS_PE=pe is not None,
         HAS_SCALE=inv_s is not None, HAS_DB=db is not None)
     return dx, d_inv, d_pow
@@ -230,7 +230,7 @@ def _output_grad_op(r: torch.Tensor, grad: torch.Tensor, eps: float) -> torch.Te
     dr = torch.empty_like(r)
     block = fused_block(d)
     launch_fitted(_pola_output_grad_kernel, (B * h, triton.cdiv(L, block)),
-        r, grad, dr, L, h, eps, *grad.stride(), num_warps=FUSED_WARPS, D=d, DS=(d + 1) // 2,
+        r, grad, dr, L, h, eps, *grad.stride(), num_warps=fused_warps(), D=d, DS=(d + 1) // 2,
         DP=padded_head_dims(d), BLOCK=block)
     return dr
 
