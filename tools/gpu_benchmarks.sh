@@ -21,9 +21,10 @@
 #   fused_w8, fused_e1024
 #                 the same steps (five timed, one profiled) with the fused kernels launched
 #                 another way (benchmark.py --fused-launch): 8 warps a program instead of 4, or
-#                 tiles of 1024 elements instead of 2048; each halves the registers a thread
-#                 holds (NaLa's gradient kernels: 200 a thread with 4 warps, 2 programs a
-#                 multiprocessor on Hopper), against the stock Swin-T in the same run
+#                 tiles of 1024 elements instead of 2048; each halves the tile a thread holds
+#                 (NaLa's query gradients: 200 registers a thread with 4 warps, 2 programs a
+#                 Hopper multiprocessor; 141 with tiles of 1024, 3 programs), against the stock
+#                 Swin-T in the same run
 #   pola_core     the Pola core alone, forward and backward, bf16, 128² and 256² tokens, batch 8:
 #                 Triton (its products in float32 and on the tensor cores, tf32x3; and its
 #                 gradient passes launched as up to 0.6.11, w4b64) and the fused core (torch's
