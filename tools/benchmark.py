@@ -758,9 +758,9 @@ def parse_args(argv=None):
                    help='after the measurements, profile CALLS calls (forwards, training '
                    'steps, core calls) of each target and implementation (torch.profiler; CUDA '
                    'kernels on a GPU) and print the operations and kernels that took the most '
-                   'time, after a line with each call\'s wall time (on a GPU also the time its '
-                   'kernels kept the device busy: well under the wall time, the host paced the '
-                   'calls)')
+                   'time, after a line with each call\'s wall time under the profiler (on a '
+                   'GPU also the time its kernels kept the device busy: well under the wall '
+                   'time, the host paced the calls)')
     p.add_argument('--log-progress', action='store_true',
                    help='write each build, warm-up and round of measurements to stderr as a '
                    'line with the seconds since the start (logs of runs under a time limit: '
@@ -892,6 +892,8 @@ def _main(args):
     if variants and args.mode != 'core':
         raise SystemExit(f'--impls {variants[0]} (the Triton core run another way) is an '
                          f'implementation of --mode core')
+    if args.profile is not None and args.profile < 1:
+        raise SystemExit(f'--profile CALLS: at least one call, got {args.profile}')
     if args.profile and torch.device(args.device).type == 'meta':
         raise SystemExit('--profile times operations and kernels: not on --device meta, which '
                          'computes nothing')
@@ -1313,22 +1315,26 @@ def profile_summary(averages, walls):
     end), and where the profile has device activities (CUDA kernels, copies and fills) their
     time per call, its share of the wall time, and their number per call. A GPU busy for much
     less than the wall time waited for the host (its launches and the Python around them); a
-    share near 100 % puts the time in the kernels.
+    share near 100 % puts the time in the kernels. The walls are taken under the profiler, whose
+    own work per operation slows the host: the share is lower than without it, most for calls of
+    many small kernels (compare the wall with the unprofiled times above it). Kernels that
+    overlap on several streams count each: the share can pass 100 %.
 
     Args:
         averages: ``prof.key_averages()`` of a ``torch.profiler`` run (rows with
             ``device_type``, ``count``, ``self_device_time_total`` in microseconds and
             ``is_user_annotation``).
-        walls (list[float]): seconds of each call.
+        walls (list[float]): seconds of each call, at least one.
     """
-    ms = sorted(w * 1e3 for w in walls)
-    line = (f'# {len(walls)} calls: wall median {statistics.median(ms):.1f} ms per call '
-            f'(each: {", ".join(f"{w * 1e3:.1f}" for w in walls)} ms)')
+    ms = [w * 1e3 for w in walls]
+    line = (f'# {len(ms)} call{"s" if len(ms) != 1 else ""} under the profiler: wall median '
+            f'{statistics.median(ms):.1f} ms per call (each: {", ".join(f"{w:.1f}" for w in ms)} '
+            f'ms)')
     device = [e for e in averages if e.device_type != torch.autograd.DeviceType.CPU
               and not getattr(e, 'is_user_annotation', False)]
-    if device and walls:
-        busy = sum(e.self_device_time_total for e in device) / 1e3 / len(walls)
-        launches = sum(e.count for e in device) / len(walls)
+    if device:
+        busy = sum(e.self_device_time_total for e in device) / 1e3 / len(ms)
+        launches = sum(e.count for e in device) / len(ms)
         line += (f'; device busy {busy:.1f} ms per call ({busy / statistics.mean(ms):.0%} of the '
                  f'mean wall), {launches:.0f} kernels and copies per call')
     return line

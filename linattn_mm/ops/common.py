@@ -1,6 +1,8 @@
 """Pieces shared by the torch kernels of :mod:`linattn_mm.ops`."""
 import contextlib
 import functools
+import platform
+import sys
 
 import numpy as np
 import torch
@@ -296,19 +298,29 @@ def sign_split_dot(df, f):
 
 
 def numpy_log2_vectorised():
-    """Whether numpy's float32 / float64 ``log2`` runs vectorised on this CPU. numpy builds it
-    with SIMD (Intel's SVML) for its AVX-512 target (``AVX512_SKX``) only; on other CPUs it is a
-    loop over the C library's scalar ``log2``, slower than torch's. One thread, 131 k elements:
-    AVX-512 (AMD EPYC): numpy 31 us, torch 131 us (float32); AVX2 only (AMD EPYC): numpy 783
-    us, torch 189 us (float32), 718 against 388 us (float64)."""
+    """Whether numpy's float32 and float64 ``log2`` run vectorised on this machine. numpy has
+    SIMD loops for them only for AVX-512 (Intel's SVML, linked into its Linux x86-64 builds);
+    elsewhere they loop over the C library's scalar ``log2``, slower than torch's. One thread,
+    131 k elements: AVX-512 (AMD EPYC): numpy 31 us, torch 131 us (float32); AVX2 only (AMD
+    EPYC): numpy 783 us, torch 189 us (float32), 718 against 388 us (float64).
+
+    numpy 2 says which loop each function runs (``__cpu_targets_info__``: not the baseline one
+    means SIMD); older numpy: an AVX-512 CPU (``AVX512_SKX``) on Linux x86-64."""
     try:
-        from numpy._core._multiarray_umath import __cpu_features__
+        from numpy._core import _multiarray_umath as umath
     except ImportError:  # numpy 1.x
         try:
-            from numpy.core._multiarray_umath import __cpu_features__
+            from numpy.core import _multiarray_umath as umath
         except ImportError:
             return False
-    return bool(__cpu_features__.get('AVX512_SKX', False))
+    targets = getattr(umath, '__cpu_targets_info__', None)
+    if isinstance(targets, dict) and isinstance(targets.get('log2'), dict):
+        loops = targets['log2']
+        return all(not str(loops.get(sig, {}).get('current', 'baseline')).startswith('baseline')
+                   for sig in ('ff', 'dd'))
+    features = getattr(umath, '__cpu_features__', {})
+    return bool(features.get('AVX512_SKX') and sys.platform.startswith('linux')
+                and platform.machine() in ('x86_64', 'AMD64'))
 
 
 #: :func:`numpy_log2_` takes numpy's log2 where it is vectorised (:func:`numpy_log2_vectorised`,
@@ -323,12 +335,12 @@ NUMPY_LOG2_MAX_THREADS = 4
 
 def numpy_log2_(t):
     """``t.log2_()`` for a tensor that needs no gradient, computed by numpy where that is faster.
-    On CPU in float32 / float64, where numpy's log2 is vectorised (:data:`NUMPY_LOG2`: CPUs with
-    AVX-512) and torch runs at most :data:`NUMPY_LOG2_MAX_THREADS` threads, it runs numpy's log2
-    in place on the same memory (torch's CPU log2 is not vectorised: about 1 ns an element there);
-    ``log2(0)`` is ``-inf`` either way, without numpy's divide-by-zero warning. Tensor subclasses
-    (fake tensors of tracing and export), other devices, other CPUs and code being compiled run
-    torch's op."""
+    On CPU in float32 / float64, where numpy's log2 is vectorised (:data:`NUMPY_LOG2`) and torch
+    runs at most :data:`NUMPY_LOG2_MAX_THREADS` threads, it runs numpy's log2 in place on the
+    same memory (torch's CPU log2 is not vectorised: about 1 ns an element there); ``log2(0)`` is
+    ``-inf`` either way, without numpy's divide-by-zero warning. Tensor subclasses (fake tensors
+    of tracing and export), other devices, other machines and code being compiled run torch's
+    op."""
     if (NUMPY_LOG2 and not torch.compiler.is_compiling() and type(t) is torch.Tensor
             and t.device.type == 'cpu' and t.dtype in (torch.float32, torch.float64)
             and torch.get_num_threads() <= NUMPY_LOG2_MAX_THREADS):

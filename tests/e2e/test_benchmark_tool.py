@@ -340,8 +340,8 @@ def test_core_profile(capsys):
     counts = re.findall(r'^\s*PolarityAttention\s.*\s(\d+)\s*$', torch_part, re.M)
     assert counts == ['3']  # the forward Function once per call
     # above each table a line with each profiled call's wall time (no device activity on CPU)
-    walls = re.search(r'^# 3 calls: wall median ([\d.]+) ms per call \(each: ([\d., ]+) ms\)$',
-                      torch_part, re.M)
+    walls = re.search(r'^# 3 calls under the profiler: wall median ([\d.]+) ms per call '
+                      r'\(each: ([\d., ]+) ms\)$', torch_part, re.M)
     each = [float(w) for w in walls.group(2).split(', ')]
     assert len(each) == 3 and float(walls.group(1)) == pytest.approx(sorted(each)[1], abs=0.051)
     assert 'device busy' not in torch_part
@@ -350,19 +350,34 @@ def test_core_profile(capsys):
 def test_profile_summary_device_share():
     # on a GPU the line also says how long the device worked per call and what share of the
     # wall time that is (well under 100 %: the host paced the calls), and how many kernels and
-    # copies ran per call; CPU rows and user annotations do not count
-    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
-    rows = [types.SimpleNamespace(device_type=cuda, count=6, self_device_time_total=24000.,
-                                  is_user_annotation=False),
-            types.SimpleNamespace(device_type=cuda, count=4, self_device_time_total=6000.,
-                                  is_user_annotation=False),
-            types.SimpleNamespace(device_type=cuda, count=2, self_device_time_total=90000.,
-                                  is_user_annotation=True),
-            types.SimpleNamespace(device_type=cpu, count=50, self_device_time_total=0.,
-                                  is_user_annotation=False)]
-    line = TOOL['profile_summary'](rows, [0.040, 0.060])
-    assert line == ('# 2 calls: wall median 50.0 ms per call (each: 40.0, 60.0 ms); device busy '
-                    '15.0 ms per call (30% of the mean wall), 5 kernels and copies per call')
+    # copies ran per call; CPU rows and user annotations do not count. torch's own profiler
+    # rows: events as a CUDA profile records them (operators on the host, four kernels on the
+    # device, an annotation), averaged by torch
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import EventList, FunctionEvent
+
+    def event(i, name, start, end, device=DeviceType.CPU, annotation=False):
+        return FunctionEvent(id=i, name=name, thread=0, start_us=start, end_us=end,
+                             input_shapes=[], stack=[], use_device='cuda', device_type=device,
+                             is_user_annotation=annotation)
+
+    def averages(*evts):
+        out = EventList(list(evts), use_device='cuda')
+        out._build_tree()  # as the profiler does before averaging
+        return out.key_averages()
+    events = averages(
+        event(0, 'aten::mm', 0, 100), event(1, 'aten::mm', 500, 600),
+        event(2, 'gemm_kernel', 10, 18010, DeviceType.CUDA),
+        event(3, 'gemm_kernel', 510, 6510, DeviceType.CUDA),
+        event(4, 'copy_kernel', 700, 6700, DeviceType.CUDA),
+        event(6, 'fill_kernel', 800, 800, DeviceType.CUDA),
+        event(5, 'step', 0, 90000, DeviceType.CUDA, annotation=True))
+    line = TOOL['profile_summary'](events, [0.040, 0.060])
+    assert line == ('# 2 calls under the profiler: wall median 50.0 ms per call (each: 40.0, '
+                    '60.0 ms); device busy 15.0 ms per call (30% of the mean wall), 2 kernels and '
+                    'copies per call')
+    assert TOOL['profile_summary'](averages(event(0, 'aten::mm', 0, 100)), [0.0123]) == (
+        '# 1 call under the profiler: wall median 12.3 ms per call (each: 12.3 ms)')
 
 
 def test_training_step_profile(capsys, monkeypatch):
@@ -567,7 +582,8 @@ def test_bad_arguments_are_refused_before_anything_is_measured(capsys):
             (['pola-pvt-t', '--fused-launch', '8:1000'],
              "'8:1000': WARPS:ELEMENTS, warps 1, 2, 4, 8 or 16 and elements a power of two >= "
              "256"),
-            (['pola-pvt-t', '--fused-launch', '8'], "'8': WARPS:ELEMENTS")):
+            (['pola-pvt-t', '--fused-launch', '8'], "'8': WARPS:ELEMENTS"),
+            (['pola-pvt-t', '--profile', '0'], '--profile CALLS: at least one call, got 0')):
         with pytest.raises(SystemExit) as e:
             main(argv + ['--warmup', '0', '--repeats', '1'])
         captured = capsys.readouterr()  # argparse's errors on stderr, the others in the exit

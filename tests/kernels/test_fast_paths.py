@@ -3,6 +3,7 @@ against the reference core, the module with ``core='fast'`` (the default) agains
 ``core='reference'``, its inference form (:func:`linattn_mm.deploy.convert`), and whole Pola-PVT-T /
 Pola-Swin-T backbones, outputs and gradients, in float32 (1e-5 relative) and float64 (1e-10
 relative)."""
+import sys
 import types
 
 import numpy as np
@@ -364,7 +365,37 @@ def test_log2_numpy_only_where_vectorised(vectorised, monkeypatch):
     out = common.numpy_log2_(x)
     assert out is x and torch.allclose(x, want, rtol=4e-7, atol=0)
     assert calls == ([(7, 5)] if vectorised else [])
-    assert isinstance(common.numpy_log2_vectorised(), bool)
+
+
+def test_numpy_log2_vectorised_reads_numpys_loops(monkeypatch):
+    """``numpy_log2_vectorised`` (``NUMPY_LOG2`` at import): numpy 2's record of the loop each
+    function runs (float32 and float64 log2 not on the baseline loop); without it an AVX-512 CPU
+    on Linux x86-64 (numpy's SIMD log2 needs SVML); numpy's CPU module missing: False."""
+    import platform as platform_module
+
+    import numpy._core
+
+    import linattn_mm.ops.common as common
+    assert common.NUMPY_LOG2 == common.numpy_log2_vectorised()
+
+    def umath(**attrs):
+        monkeypatch.setattr(numpy._core, '_multiarray_umath', types.SimpleNamespace(**attrs))
+        return common.numpy_log2_vectorised()
+
+    simd = {'current': 'X86_V4', 'available': 'X86_V4 baseline(X86_V2)'}
+    scalar = {'current': 'baseline(X86_V2)', 'available': 'X86_V4 baseline(X86_V2)'}
+    assert umath(__cpu_targets_info__={'log2': {'ff': simd, 'dd': simd}}) is True
+    assert umath(__cpu_targets_info__={'log2': {'ff': simd, 'dd': scalar}}) is False
+    assert umath(__cpu_targets_info__={'log2': {'ff': scalar, 'dd': scalar}}) is False
+    monkeypatch.setattr(platform_module, 'machine', lambda: 'x86_64')
+    for plat, avx512, want in (('linux', True, True), ('linux', False, False),
+                               ('darwin', True, False)):
+        monkeypatch.setattr(sys, 'platform', plat)
+        assert umath(__cpu_features__={'AVX512_SKX': avx512}) is want, (plat, avx512)
+    monkeypatch.delattr(numpy._core, '_multiarray_umath')
+    monkeypatch.setitem(sys.modules, 'numpy._core._multiarray_umath', None)
+    monkeypatch.setitem(sys.modules, 'numpy.core', None)
+    assert common.numpy_log2_vectorised() is False
 
 
 def test_log2_keeps_torch_for_fake_tensors():
