@@ -69,6 +69,9 @@ STOCK_SWIN_MRCNN='mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'
 BACKBONES=(swin-t pola-swin-t nalaformer-t pvt-t pola-pvt-t)
 # --log-progress: a part stopped by its time limit shows in its log how far it came
 GPU=(--device cuda --warmup 3 --repeats 10 --log-progress)
+# the training steps on the fused forms (train_fused, fused_w8, fused_e1024): bf16, batch 8
+FUSED_STEPS=(--device cuda --log-progress --warmup 2 --repeats 5 --dtype bf16 --sizes 800x1344
+             --batch 8)
 # the profiled training steps (train_profile, profile_fused): a few, bf16, batch 8
 PROFILE=(--device cuda --log-progress --warmup 2 --repeats 2 --dtype bf16 --sizes 800x1344
          --batch 8)
@@ -91,9 +94,9 @@ part_command() {
                 --heads 1 --head-dims 64 --impls triton fused torch reference --compare torch \
                 --profile 5 --json "$out/$part.json" ;;
         train_fused)
-            printf '%s\n' "$PY" tools/benchmark.py --mode train "${BACKBONES[@]}" --device cuda \
-                --log-progress --warmup 2 --repeats 5 --dtype bf16 --sizes 800x1344 --batch 8 \
-                --impls fast fused --compare swin-t pola-pvt-t:pvt-t --json "$out/$part.json" ;;
+            printf '%s\n' "$PY" tools/benchmark.py --mode train "${BACKBONES[@]}" \
+                "${FUSED_STEPS[@]}" --impls fast fused --compare swin-t pola-pvt-t:pvt-t \
+                --json "$out/$part.json" ;;
         train_b8|train_b1)
             printf '%s\n' "$PY" tools/benchmark.py --mode train "${BACKBONES[@]}" "${GPU[@]}" \
                 --dtype bf16 --sizes 800x1344 --batch "${part#train_b}" --impls fast fused triton \
@@ -105,9 +108,8 @@ part_command() {
             local launch=8:2048
             [ "$part" = fused_e1024 ] && launch=4:1024
             printf '%s\n' "$PY" tools/benchmark.py --mode train swin-t nalaformer-t pola-swin-t \
-                --device cuda --log-progress --warmup 2 --repeats 5 --dtype bf16 \
-                --sizes 800x1344 --batch 8 --impls fused --fused-launch "$launch" \
-                --compare swin-t --profile 1 --json "$out/$part.json" ;;
+                "${FUSED_STEPS[@]}" --impls fused --fused-launch "$launch" --compare swin-t \
+                --profile 1 --json "$out/$part.json" ;;
         train_profile)
             printf '%s\n' "$PY" tools/benchmark.py --mode train "${BACKBONES[@]}" "${PROFILE[@]}" \
                 --impls fast fused --profile 3 --json "$out/$part.json" ;;

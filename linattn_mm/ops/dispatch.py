@@ -85,8 +85,8 @@ def padded_head_dims(d):
 #: passes, also those of inference; ``'backward'``: the gradient passes), for padded head dims up
 #: to 32 and above (see :func:`core_launch`)
 CORE_LAUNCHES = {'forward': ((4, 64), (8, 16)), 'backward': ((8, 32), (8, 16))}
-# a stack of overrides for the whole process (the backward of CUDA autograd runs on a thread of
-# its own), see :func:`triton_core_launch`
+# a stack of launch overrides for the whole process (the backward of CUDA autograd runs on a
+# thread of its own), see :func:`triton_core_launch` and :func:`fused_launch`
 _LAUNCH_OVERRIDES = [{}]
 
 
@@ -152,7 +152,16 @@ def triton_core_launch(forward=None, backward=None):
             raise ValueError(f'triton_core_launch: {phase} launch must be (warps in 1, 2, 4, 8, '
                              f'16; block a power of two >= 16), got {launch!r}')
         launches[phase] = (int(warps), int(block))
-    _LAUNCH_OVERRIDES.append(dict(_LAUNCH_OVERRIDES[-1], **launches))
+    with _launch_overrides(launches):
+        yield
+
+
+@contextlib.contextmanager
+def _launch_overrides(values):
+    """Within the block, ``values`` (keys: a Triton core's phase, or ``'fused_warps'`` and
+    ``'fused_block_elements'``) replace those of the enclosing blocks in
+    :data:`_LAUNCH_OVERRIDES` (:func:`triton_core_launch`, :func:`fused_launch`)."""
+    _LAUNCH_OVERRIDES.append(dict(_LAUNCH_OVERRIDES[-1], **values))
     try:
         yield
     finally:
@@ -170,14 +179,10 @@ FUSED_WARPS = 4
 #: memory-bound kernels want many warps in flight on every multiprocessor
 FUSED_PROGRAMS_PER_SM = 16
 
-#: the fused launch within :func:`fused_launch` blocks, innermost last
-_FUSED_OVERRIDES = [{}]
-
-
 def fused_warps():
     """Warps of a program of the fused forms' kernels: :data:`FUSED_WARPS`, or what
     :func:`fused_launch` sets."""
-    return _FUSED_OVERRIDES[-1].get('warps', FUSED_WARPS)
+    return _LAUNCH_OVERRIDES[-1].get('fused_warps', FUSED_WARPS)
 
 
 @contextlib.contextmanager
@@ -195,17 +200,14 @@ def fused_launch(warps=None, block_elements=None):
     if warps is not None:
         if warps not in (1, 2, 4, 8, 16):
             raise ValueError(f'fused_launch: warps must be 1, 2, 4, 8 or 16, got {warps!r}')
-        launch['warps'] = int(warps)
+        launch['fused_warps'] = int(warps)
     if block_elements is not None:
         if block_elements < 256 or block_elements & (block_elements - 1):
             raise ValueError(f'fused_launch: block_elements must be a power of two >= 256, got '
                              f'{block_elements!r}')
-        launch['block_elements'] = int(block_elements)
-    _FUSED_OVERRIDES.append(dict(_FUSED_OVERRIDES[-1], **launch))
-    try:
+        launch['fused_block_elements'] = int(block_elements)
+    with _launch_overrides(launch):
         yield
-    finally:
-        _FUSED_OVERRIDES.pop()
 
 
 def multiprocessors(device):
@@ -220,7 +222,7 @@ def fused_block(d):
     """Tokens of a tile of the fused cores' kernels at head dim ``d``:
     :data:`FUSED_BLOCK_ELEMENTS` (or :func:`fused_launch`'s) over the padded dim
     (:func:`padded_head_dims`)."""
-    elements = _FUSED_OVERRIDES[-1].get('block_elements', FUSED_BLOCK_ELEMENTS)
+    elements = _LAUNCH_OVERRIDES[-1].get('fused_block_elements', FUSED_BLOCK_ELEMENTS)
     return max(16, elements // padded_head_dims(d))
 
 
